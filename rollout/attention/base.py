@@ -1,0 +1,36 @@
+"""The attention backend interface.
+
+A backend is planned once per step (`plan`) from the ForwardBatch, then called once per
+layer (`forward`): it stores the new tokens' K/V into the paged pool at `out_cache_loc`
+and attends each request's new queries over all of its KV (cached prefix + new tokens,
+causal among the new ones). A new kernel family is a new file, not a new `if`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from rollout.cache.kv_pool import KVPool
+from rollout.model.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    name = "base"
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.batch: ForwardBatch | None = None
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Per-step metadata shared by all layers."""
+        self.batch = batch
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""

@@ -1,0 +1,161 @@
+"""KV memory: per-layer K/V tensors addressed by slot, a page allocator, and the
+request-to-slot table.
+
+A slot holds one token's K and V for every layer. Slots come in pages of `page_size`;
+a request's token at position p always sits at offset p % page_size of its page, so a
+page-aligned prefix can be shared by handing over whole pages. Page 0 is never handed
+out: padded rows (CUDA-graph batches, masked attention) write and read it harmlessly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfSlots(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    """Free list of page ids (CPU). O(1) alloc/free; double frees are caught."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"KV pool too small: {num_pages} pages of {page_size} tokens")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Hand out low pages first: reuse keeps the working set small.
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._is_free = torch.ones(num_pages, dtype=torch.bool)
+        self._is_free[0] = False
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free) * self.page_size
+
+    @property
+    def capacity_slots(self) -> int:
+        return (self.num_pages - 1) * self.page_size
+
+    def alloc_pages(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfSlots(f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._is_free[pages] = False
+        return pages
+
+    def free_pages(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.long)
+        if bool(self._is_free[idx].any()) or len(set(pages)) != len(pages) or min(pages) <= 0:
+            raise RuntimeError(f"double free or invalid page in {pages[:8]}...")
+        self._is_free[idx] = True
+        self._free.extend(pages)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Free the pages of a page-aligned run of slots (its first slot starts a page)."""
+        if slots.numel() == 0:
+            return
+        ps = self.page_size
+        if ps == 1:
+            self.free_pages(slots.tolist())
+            return
+        if int(slots[0]) % ps:
+            raise RuntimeError("free_slots: run does not start on a page boundary")
+        self.free_pages((slots[::ps] // ps).tolist())
+
+    def slots_for_positions(self, last_slot: int | None, start: int, end: int) -> torch.Tensor:
+        """Slots for positions [start, end) of a request whose slot at position start-1 is
+        `last_slot`: fill the rest of that page, then take new pages."""
+        ps = self.page_size
+        n = end - start
+        if n <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        if ps == 1:
+            return torch.tensor(self.alloc_pages(n), dtype=torch.int64)
+        parts: list[torch.Tensor] = []
+        in_page = (ps - start % ps) % ps if start % ps else 0
+        take = min(in_page, n)
+        if take:
+            assert last_slot is not None
+            parts.append(torch.arange(last_slot + 1, last_slot + 1 + take, dtype=torch.int64))
+        rest = n - take
+        if rest:
+            num_pages = -(-rest // ps)
+            if num_pages > len(self._free):
+                raise OutOfSlots(f"need {num_pages} pages, {len(self._free)} free")
+            pages = torch.tensor(self.alloc_pages(num_pages), dtype=torch.int64)
+            parts.append((pages[:, None] * ps + torch.arange(ps)).reshape(-1)[:rest])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def pages_needed(self, start: int, end: int) -> int:
+        """New pages for positions [start, end): the page holding position start-1 is
+        already owned, so only pages that begin inside the range are new."""
+        ps = self.page_size
+        return max(0, -(-end // ps) - (-(-start // ps)))
+
+
+class KVPool:
+    """Per-layer K/V buffers `[num_slots, num_kv_heads, head_dim]` and their allocator."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_total_tokens: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        num_pages = -(-max_total_tokens // page_size) + 1  # +1: the reserved padding page
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.num_layers = num_layers
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        # zeros, not empty: padded reads must see finite values (0 * NaN is NaN).
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
+        self.k_buffers[layer_id][slots] = k.to(self.k_buffers[layer_id].dtype)
+        self.v_buffers[layer_id][slots] = v.to(self.v_buffers[layer_id].dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's KV from slots `src` to slots `dst` (forking a partial page)."""
+        for k, v in zip(self.k_buffers, self.v_buffers):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+
+class ReqToTokenPool:
+    """Request row -> slot of each position. CPU int64: the scheduler reads and writes it
+    every step, and the runner ships only the slices a batch needs to the device."""
+
+    def __init__(self, max_requests: int, max_context_len: int) -> None:
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64)
+        self._free = list(range(max_requests - 1, -1, -1))
+        self.max_requests = max_requests
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSlots("no free request rows")
+        return self._free.pop()
+
+    def free(self, row: int) -> None:
+        self._free.append(row)

@@ -1,0 +1,176 @@
+"""KVManager: the one place that moves slots between requests, the radix tree and the
+allocator. The scheduler asks it questions in token counts; it never sees a page.
+
+Invariant per running request (row r of the request table):
+  table[r, :num_prefix_tokens]                  slots owned by the tree (locked via last_node)
+  table[r, num_prefix_tokens:num_allocated_slots]  slots the request owns
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.cache.kv_pool import KVPool, OutOfSlots, ReqToTokenPool
+from rollout.cache.radix import RadixCache
+from rollout.request import Req
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, enable_radix: bool) -> None:
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.req_pool = req_pool
+        self.table = req_pool.table
+        self.page_size = pool.page_size
+        self.tree = RadixCache(self.page_size, self.allocator.free_slots) if enable_radix else None
+
+    # ---- capacity ---------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity_slots
+
+    def available_slots(self) -> int:
+        return self.allocator.num_free_slots + (self.tree.evictable_size if self.tree else 0)
+
+    def used_slots(self) -> int:
+        """Slots held by requests or locked in the tree (the cache's unlocked part is free to reclaim)."""
+        return self.capacity - self.available_slots()
+
+    def _ensure_pages(self, num_pages: int) -> bool:
+        short = num_pages - self.allocator.num_free_pages
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short * self.page_size)
+        return self.allocator.num_free_pages >= num_pages
+
+    def pages_to_extend(self, req: Req, new_len: int) -> int:
+        return self.allocator.pages_needed(req.num_allocated_slots, new_len)
+
+    # ---- admission --------------------------------------------------------------------
+    def prefix_len(self, req: Req) -> int:
+        """How many leading tokens the tree could serve (without locking): for ordering."""
+        if self.tree is None:
+            return 0
+        slots, _ = self.tree.match_prefix(req.all_ids[: req.seq_len - 1], req.namespace)
+        return slots.numel()
+
+    def admit(self, req: Req, num_new_tokens: int, reserve_pages: int = 0) -> int | None:
+        """Give a waiting request a table row, its cached prefix (locked) and slots for the
+        next `num_new_tokens` after the prefix (capped to what it lacks). Returns how many
+        tokens it will compute, or None (nothing changed) when memory is short."""
+        if self.req_pool.num_free == 0:
+            return None
+        prefix_slots = torch.empty(0, dtype=torch.int64)
+        node = None
+        if self.tree is not None:
+            # At least one token must be computed to get the logits for the next one.
+            prefix_slots, node = self.tree.match_prefix(req.all_ids[: req.seq_len - 1], req.namespace)
+            self.tree.inc_lock(node)
+        prefix = prefix_slots.numel()
+        chunk = min(num_new_tokens, req.seq_len - prefix)
+        need = self.allocator.pages_needed(prefix, prefix + chunk) + reserve_pages
+        if not self._ensure_pages(need):
+            if node is not None:
+                self.tree.dec_lock(node)  # type: ignore[union-attr]
+            return None
+        row = self.req_pool.alloc()
+        self.table[row, :prefix] = prefix_slots
+        req.req_pool_idx = row
+        req.last_node = node
+        req.num_prefix_tokens = prefix
+        req.num_computed_tokens = prefix
+        req.num_allocated_slots = prefix
+        if not req.admitted_once:
+            req.num_cached_tokens = prefix
+            req.admitted_once = True
+        self._alloc(req, prefix + chunk)
+        return chunk
+
+    def extend(self, req: Req, new_len: int) -> bool:
+        """Make sure slots exist for positions [0, new_len) of a running request."""
+        if new_len <= req.num_allocated_slots:
+            return True
+        if not self._ensure_pages(self.pages_to_extend(req, new_len)):
+            return False
+        self._alloc(req, new_len)
+        return True
+
+    def _alloc(self, req: Req, new_len: int) -> None:
+        start = req.num_allocated_slots
+        if new_len <= start:
+            return
+        row = req.req_pool_idx
+        last = int(self.table[row, start - 1]) if start else None
+        try:
+            slots = self.allocator.slots_for_positions(last, start, new_len)
+        except OutOfSlots as e:  # callers check capacity first; reaching here is a bug
+            raise RuntimeError(f"KV allocation failed after capacity check: {e}") from e
+        self.table[row, start:new_len] = slots
+        req.num_allocated_slots = new_len
+
+    # ---- release ----------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """Finished, aborted or retracted: computed KV goes to the tree (when on), the rest
+        back to the allocator, the row is freed. The request keeps its tokens."""
+        row = req.req_pool_idx
+        if row is None:
+            return
+        slots = self.table[row, : req.num_allocated_slots].clone()
+        start_free = req.num_prefix_tokens if self.tree is not None else 0
+        if self.tree is not None:
+            n = self.tree.aligned(req.num_computed_tokens)
+            present = self.tree.insert(req.all_ids[:n], slots[:n], req.namespace)
+            # [prefix, present): the tree already had other slots for these tokens.
+            self.allocator.free_slots(slots[req.num_prefix_tokens : present])
+            start_free = n
+            self.tree.dec_lock(req.last_node)  # type: ignore[arg-type]
+        self.allocator.free_slots(slots[start_free:])
+        self.req_pool.free(row)
+        req.req_pool_idx = None
+        req.last_node = None
+        req.num_prefix_tokens = 0
+        req.num_computed_tokens = 0
+        req.num_allocated_slots = 0
+
+    # ---- n > 1: fork the leader's prompt KV -------------------------------------------
+    def share_prompt(self, leader: Req) -> None:
+        """Put the leader's computed prompt in the tree now (not at finish) so followers
+        can lock it; the leader's table row is pointed at the tree's slots."""
+        assert self.tree is not None
+        row = leader.req_pool_idx
+        n = self.tree.aligned(leader.num_computed_tokens)
+        slots = self.table[row, :n].clone()
+        present = self.tree.insert(leader.all_ids[:n], slots, leader.namespace)
+        self.allocator.free_slots(slots[leader.num_prefix_tokens : present])
+        tree_slots, node = self.tree.match_prefix(leader.all_ids[:n], leader.namespace)
+        self.table[row, :n] = tree_slots
+        self.tree.inc_lock(node)
+        self.tree.dec_lock(leader.last_node)  # type: ignore[arg-type]
+        leader.last_node = node
+        leader.num_prefix_tokens = n
+
+    def fork(self, leader: Req, follower: Req) -> bool:
+        """Give `follower` the leader's computed prompt: whole pages shared through the
+        tree, the partial last page copied. False (nothing changed) if memory is short."""
+        assert self.tree is not None and leader.last_node is not None
+        length = leader.num_computed_tokens
+        shared = leader.num_prefix_tokens
+        if self.req_pool.num_free == 0 or not self._ensure_pages(self.allocator.pages_needed(shared, length)):
+            return False
+        row = self.req_pool.alloc()
+        self.table[row, :shared] = self.table[leader.req_pool_idx, :shared]
+        self.tree.inc_lock(leader.last_node)
+        follower.req_pool_idx = row
+        follower.last_node = leader.last_node
+        follower.num_prefix_tokens = shared
+        follower.num_allocated_slots = shared
+        self._alloc(follower, length)
+        if length > shared:
+            self.pool.copy_slots(self.table[leader.req_pool_idx, shared:length], self.table[row, shared:length])
+        follower.num_computed_tokens = length
+        follower.num_cached_tokens = length
+        follower.admitted_once = True
+        return True
+
+    def flush(self) -> None:
+        if self.tree is not None:
+            self.tree.flush()

@@ -1,0 +1,63 @@
+"""EngineConfig: the one frozen, validated description of an engine.
+
+It knows what the user asked for and the values derived from that; it does not know the
+model's shapes (those live in ModelConfig, read from the checkpoint's config.json).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_ATTENTION = ("auto", "torch", "triton", "flashinfer")
+_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    # KV memory: a token budget. None -> on CPU 64k tokens (capped by max_kv_gib), on GPU
+    # what fits in `gpu_memory_fraction` of the memory left after the weights.
+    max_total_tokens: int | None = None
+    gpu_memory_fraction: float = 0.85
+    page_size: int = 1
+    max_running_requests: int = 256
+    # Per-step token budget for prefill: longer prompts are prefilled in chunks of it.
+    max_prefill_tokens: int = 4096
+    enable_radix_cache: bool = True
+    schedule_policy: str = "fcfs"
+    attention: str = "auto"
+    # Load a tokenizer from the checkpoint dir when present (needed for prompts=, text, stop strings).
+    load_tokenizer: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EngineConfig.model: a checkpoint directory is required")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r}: expected one of {_DTYPES}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"EngineConfig.device={self.device!r}: expected 'cpu' or 'cuda[:N]'")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"EngineConfig.max_total_tokens={self.max_total_tokens}: must be >= 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_fraction={self.gpu_memory_fraction}: must be in (0, 1]")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"EngineConfig.page_size={self.page_size}: must be a power of two >= 1")
+        if self.max_running_requests < 1:
+            raise ValueError(f"EngineConfig.max_running_requests={self.max_running_requests}: must be >= 1")
+        if self.max_prefill_tokens < self.page_size:
+            raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens}: must be >= page_size")
+        if self.schedule_policy not in _POLICIES:
+            raise ValueError(f"EngineConfig.schedule_policy={self.schedule_policy!r}: expected one of {_POLICIES}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"EngineConfig.attention={self.attention!r}: expected one of {_ATTENTION}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

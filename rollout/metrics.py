@@ -1,0 +1,37 @@
+"""Counters the engine keeps while it works, and the stats() view of them.
+
+Counters only; turning them into dashboards (W&B) is the caller's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache (or a fork)
+    computed_tokens: int = 0  # tokens whose KV was computed (prefill, chunks, recompute after retraction)
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    retractions: int = 0
+    forward_seconds: float = 0.0  # wall time inside step(): schedule, forward, sample, bookkeeping
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    tokens_per_second: float  # generated tokens over time spent stepping
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    kv_usage: float
+    weight_version: int
+    counters: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)

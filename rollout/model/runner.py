@@ -1,0 +1,73 @@
+"""ModelRunner: ScheduledBatch (CPU) -> ForwardBatch (device) -> logits.
+
+Builds the step's flat token layout from the request table, plans the attention backend
+once for all layers, runs the model and returns float32 logits only for the requests
+that sample this step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+from rollout.model.forward_batch import ForwardBatch
+from rollout.model.llama import LlamaModel
+from rollout.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, backend: AttentionBackend, table: torch.Tensor, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.table = table  # [max_requests, max_context] int64, CPU
+        self.device = device
+
+    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        out_locs: list[torch.Tensor] = []
+        kv_parts: list[torch.Tensor] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        num_tokens = 0
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            if n == 1 and req.output_ids and end == req.seq_len:
+                input_ids.append(req.output_ids[-1])  # decode: skip building all_ids
+            else:
+                input_ids.extend(req.all_ids[start:end])
+            row = self.table[req.req_pool_idx]
+            positions.append(torch.arange(start, end))
+            out_locs.append(row[start:end])
+            kv_parts.append(row[:end])
+            seq_lens.append(end)
+            num_tokens += n
+            if batch.produces_token(i):
+                logits_indices.append(num_tokens - 1)
+        qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.tensor(batch.extend_lens, dtype=torch.int32).cumsum(0)
+        kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
+        dev = self.device
+
+        def to_dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=to_dev(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=to_dev(torch.cat(positions)),
+            out_cache_loc=to_dev(torch.cat(out_locs)),
+            qo_indptr=to_dev(qo_indptr),
+            kv_indptr=to_dev(kv_indptr),
+            kv_indices=to_dev(torch.cat(kv_parts)),
+            logits_indices=to_dev(torch.tensor(logits_indices, dtype=torch.int64)),
+            extend_lens=list(batch.extend_lens),
+            seq_lens=seq_lens,
+            num_decode=batch.num_decode,
+        )
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        self.backend.plan(fb)
+        hidden = self.model(fb.input_ids, fb.positions, self.backend)
+        return self.model.logits(hidden[fb.logits_indices])  # [R, vocab] float32

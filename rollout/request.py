@@ -1,0 +1,162 @@
+"""Requests: what a caller asks for (SamplingParams), what the engine tracks (Req) and what
+it returns (RolloutOutput).
+
+Req holds CPU state only. Its KV lives in the pools and is reached through
+`req_pool_idx` (a row of the request-to-slot table); nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.cache.radix import TreeNode
+
+_LOGPROB_MODES = ("processed", "raw")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 -> off
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    # "processed": log-prob under the distribution the token was drawn from (after
+    # temperature and top-k/top-p/min-p); "raw": log_softmax of the unmodified logits,
+    # which is what a trainer recomputes. For greedy both report the raw value.
+    logprobs_mode: str = "processed"
+    top_logprobs: int = 0  # > 0: also return the k most likely tokens per position
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience but stored as tuples (frozen, hashable).
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be -1 (off) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p={self.min_p}: must be in [0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n}: must be >= 1")
+        if self.logprobs_mode not in _LOGPROB_MODES:
+            raise ValueError(f"SamplingParams.logprobs_mode={self.logprobs_mode!r}: expected one of {_LOGPROB_MODES}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"SamplingParams.top_logprobs={self.top_logprobs}: must be >= 0")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop: stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """Seed of sample i of n: a hash, so that samples of one prompt are independent and
+    the same (seed, i) always gives the same stream whatever else is batched."""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # this sample's own seed (derived from params.seed and sample_index)
+    prompt_index: int = 0
+    sample_index: int = 0
+    namespace: str | None = None  # radix-cache key namespace: the adapter id, None for the base model
+    arrival: int = 0  # admission order; retraction takes the newest first
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # (weight_version, first output index, end output index) for each run of tokens
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where to cut the text when a stop string matched
+
+    # KV bookkeeping, by counters: tokens [0, num_computed_tokens) of all_ids have KV.
+    num_computed_tokens: int = 0
+    num_prefix_tokens: int = 0  # leading slots owned by the radix tree (locked via last_node)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    num_allocated_slots: int = 0
+    req_pool_idx: int | None = None
+    last_node: TreeNode | None = None
+    admitted_once: bool = False
+
+    # n > 1: siblings wait for the first sample (the leader) to prefill the prompt,
+    # then fork off its KV and its last-position logits instead of recomputing them.
+    leader: Req | None = None
+    followers: list[Req] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token: int, logprob: float, top: list[tuple[int, float]] | None, version: int) -> None:
+        idx = len(self.output_ids)
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+        if self.version_spans and self.version_spans[-1][0] == version and self.version_spans[-1][2] == idx:
+            v, start, _ = self.version_spans[-1]
+            self.version_spans[-1] = (v, start, idx + 1)
+        else:
+            self.version_spans.append((version, idx, idx + 1))
+
+
+@dataclass
+class RolloutOutput:
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str | None
+    num_cached_tokens: int
+    weight_version: int  # the version that produced the last token (or current, if none)
+    weight_versions: list[tuple[int, int, int]]  # (version, start, end) spans over token_ids
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @classmethod
+    def from_req(cls, req: Req, text: str | None, current_version: int) -> RolloutOutput:
+        return cls(
+            request_id=req.rid,
+            prompt_index=req.prompt_index,
+            sample_index=req.sample_index,
+            prompt_ids=list(req.prompt_ids),
+            token_ids=list(req.output_ids),
+            logprobs=list(req.logprobs),
+            finish_reason=req.finish_reason or "abort",
+            text=text,
+            num_cached_tokens=req.num_cached_tokens,
+            weight_version=req.version_spans[-1][0] if req.version_spans else current_version,
+            weight_versions=list(req.version_spans),
+            top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
+        )

@@ -1,0 +1,155 @@
+"""Scheduler: waiting and running queues -> one ScheduledBatch per step.
+
+There is no prefill phase and no decode phase: each request has num_computed_tokens, and
+a step computes the next tokens of each chosen request (1 for a decode, a chunk for a
+prefill; a prefix-cache hit just starts the counter higher). Running requests go first
+(oldest first); waiting requests are admitted while the step's prefill token budget and
+KV memory last. When KV runs out for a running request, the newest running requests are
+retracted to the front of `waiting` (their computed KV left in the prefix cache) and
+resume later: nothing is dropped or truncated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+
+from rollout.cache.manager import KVManager
+from rollout.config import EngineConfig
+from rollout.request import Req
+
+_LPM_MAX_WAITING = 128  # above this, sorting by prefix match costs more than it saves
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]  # decodes (1 new token) first, then extends
+    extend_lens: list[int]  # tokens each request computes this step
+    num_decode: int
+    retracted: list[Req] = field(default_factory=list)
+
+    def produces_token(self, i: int) -> bool:
+        """Does request i reach the end of its known tokens this step (and so sample)?"""
+        req = self.reqs[i]
+        return req.num_computed_tokens + self.extend_lens[i] == req.seq_len
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admission order, oldest first
+        self._arrival = count()
+        self.num_retractions = 0
+
+    # ---- queue management ---------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, rid: str) -> Req | None:
+        for req in self.running:
+            if req.rid == rid:
+                return req
+        for req in self.waiting:
+            if req.rid == rid:
+                return req
+        return None
+
+    def remove(self, req: Req) -> None:
+        """Take a request out of either queue and give back its KV (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req)
+        for follower in req.followers:  # a leader that leaves before forking frees its followers
+            follower.leader = None
+        req.followers = []
+
+    def start_running(self, req: Req) -> None:
+        """A waiting request whose KV was set up outside admission (a fork)."""
+        self.waiting.remove(req)
+        req.arrival = next(self._arrival)
+        self.running.append(req)
+
+    def retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+
+    def retract_all(self) -> list[Req]:
+        victims = list(reversed(self.running))
+        for req in victims:
+            self.retract(req)
+        return victims
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.config.max_prefill_tokens
+        decodes: list[tuple[Req, int]] = []
+        extends: list[tuple[Req, int]] = []
+        retracted: list[Req] = []
+        for req in list(self.running):
+            if req not in self.running:  # retracted earlier in this loop
+                continue
+            need = req.seq_len - req.num_computed_tokens
+            n = 1 if need == 1 else min(need, budget)
+            if n <= 0:
+                continue  # a chunked prefill waits for budget; it keeps its KV
+            while not self.kv.extend(req, req.num_computed_tokens + n):
+                victim = self.running[-1]  # newest; older ones are already in the batch
+                self.retract(victim)
+                retracted.append(victim)
+                if victim is req:
+                    break
+            if req not in self.running:
+                continue
+            if need > 1:
+                budget -= n
+            (decodes if n == 1 else extends).append((req, n))
+        if not retracted:
+            # Don't admit in a step that had to retract: memory is already short.
+            budget = self._admit(budget, decodes, extends)
+        if not decodes and not extends:
+            return None
+        chosen = decodes + extends
+        return ScheduledBatch(
+            reqs=[r for r, _ in chosen],
+            extend_lens=[n for _, n in chosen],
+            num_decode=len(decodes),
+            retracted=retracted,
+        )
+
+    def _admit(self, budget: int, decodes: list[tuple[Req, int]], extends: list[tuple[Req, int]]) -> int:
+        # Leave room for every running request's next token, so admission does not force
+        # a retraction on the very next step.
+        reserve = sum(self.kv.pages_to_extend(r, r.seq_len + 1) for r in self.running)
+        for req in self._ordered_waiting():
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if req.leader is not None:
+                continue  # waits for its leader's prompt, then forks it
+            n = self.kv.admit(req, budget, reserve)
+            if n is None:
+                break
+            self.waiting.remove(req)
+            req.arrival = next(self._arrival)
+            self.running.append(req)
+            if n == 1:
+                decodes.append((req, n))
+            else:
+                extends.append((req, n))
+                budget -= n
+        return budget
+
+    def _ordered_waiting(self) -> list[Req]:
+        reqs = list(self.waiting)
+        if self.config.schedule_policy == "lpm" and self.kv.tree is not None and len(reqs) <= _LPM_MAX_WAITING:
+            reqs.sort(key=self.kv.prefix_len, reverse=True)  # stable: FCFS among equals
+        return reqs
