@@ -100,8 +100,10 @@ def filtered_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         ranks = torch.arange(scaled.shape[-1], device=scaled.device)
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= sb.top_ks[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        # keep the smallest head whose mass reaches top_p (the first token always stays)
-        drop = (probs.cumsum(dim=-1) - probs) >= sb.top_ps[:, None]
+        # keep the smallest head whose mass reaches top_p (the first token always stays).
+        # Rows with top_p == 1 keep everything: float32 cumsum can reach 1.0 before the
+        # tail, which would drop tiny-probability tokens only when batched with a top-p row.
+        drop = ((probs.cumsum(dim=-1) - probs) >= sb.top_ps[:, None]) & (sb.top_ps[:, None] < 1.0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     if sb.need_min_p:

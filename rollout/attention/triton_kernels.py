@@ -81,6 +81,20 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def _decode_config(block_d: int, dtype: torch.dtype, gpu: bool) -> tuple[int, dict[str, int]]:
+    """(BLOCK_N, launch kwargs) for decode stage 1."""
+    if not gpu:
+        return 16, {}  # interpreter: small blocks so tiny tests cross several blocks
+    return 64, {"num_warps": 4, "num_stages": 2}
+
+
+def _extend_config(block_d: int, dtype: torch.dtype, gpu: bool) -> tuple[int, int, dict[str, int]]:
+    """(BLOCK_M, BLOCK_N, launch kwargs) for extend."""
+    if not gpu:
+        return 16, 16, {}
+    return 128, 64, {"num_warps": 8, "num_stages": 2}
+
+
 # --------------------------------------------------------------------------------------
 # Decode
 # --------------------------------------------------------------------------------------
@@ -216,7 +230,7 @@ def decode_attention(
     block_h = max(16, min(64, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
     gpu = _on_gpu(q)
-    block_n = (64 if block_d <= 128 else 32) if gpu else 16
+    block_n, extra = _decode_config(block_d, q.dtype, gpu)
 
     if num_kv_splits is None:
         if max_kv_len is None:
@@ -227,7 +241,6 @@ def decode_attention(
     # float32 workspace: partial outputs (normalised per split) and their log2-LSE.
     mid_o = torch.empty((batch, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
-    extra = {"num_warps": 4, "num_stages": 2} if gpu else {}
     _decode_stage1_kernel[(batch, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse,
         sm_scale * _LOG2E,
@@ -364,13 +377,7 @@ def extend_attention(
     if max_new_tokens <= 0:
         return out
     block_d = _block_d(head_dim)
-    if _on_gpu(q):
-        # 128x64 tiles with 8 warps for d <= 128 keep wgmma busy; d=256 halves the tiles
-        # to stay within registers (the fp32 accumulator is BLOCK_M x BLOCK_D).
-        block_m, block_n, extra = (128, 64, {"num_warps": 8, "num_stages": 2}) if block_d <= 128 \
-            else (64, 32, {"num_warps": 4, "num_stages": 2})
-    else:
-        block_m, block_n, extra = 16, 16, {}  # small tiles so tiny tests cover several tiles
+    block_m, block_n, extra = _extend_config(block_d, q.dtype, _on_gpu(q))
     grid = (triton.cdiv(max_new_tokens, block_m), num_heads, batch)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices,

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# architecture -> (qkv bias default, q/k norm)
+# architecture -> (q/k/v always biased, q/k norm). Qwen2 hard-codes its qkv bias; the
+# others follow config.attention_bias.
 _ARCHS: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
@@ -61,7 +61,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in config.json; "
                 f"supported: {sorted(_ARCHS)}"
             )
-        bias_default, qk_norm = _ARCHS[arch]
+        always_bias, qk_norm = _ARCHS[arch]
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos: list[int] = []
@@ -91,7 +91,7 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", bias_default)),
+            qkv_bias=always_bias or bool(cfg.get("attention_bias")),
             qk_norm=qk_norm,
             rope_scaling=rope_scaling,
             eos_token_ids=tuple(int(e) for e in eos),

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random HF checkpoints (Llama, Llama-3 rope scaling, Qwen2, Qwen3)
+written with transformers' save_pretrained, and the HF reference for greedy decoding."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+_COMMON = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def _make(kind: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=False))
+    if kind == "llama3":  # Llama-3 rope scaling, tied embeddings, MHA
+        cfg = dict(_COMMON, num_key_value_heads=4)
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+        return LlamaForCausalLM(LlamaConfig(**cfg, rope_parameters=rope, tie_word_embeddings=True))
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**_COMMON, tie_word_embeddings=True))
+    if kind == "qwen3":  # explicit head_dim different from hidden / heads, q/k norm
+        return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False))
+    raise ValueError(kind)
+
+
+class TinyModel:
+    def __init__(self, kind: str, path: Path) -> None:
+        torch.manual_seed(1234)
+        self.hf = _make(kind).eval()
+        # Random init is nearly flat; sharpen it so greedy argmaxes are not near-ties.
+        with torch.no_grad():
+            for name, p in self.hf.named_parameters():
+                if "norm" not in name:
+                    p.mul_(4.0)
+        self.hf.config.architectures = [type(self.hf).__name__]
+        self.hf.save_pretrained(path)
+        self.path = str(path)
+        self.kind = kind
+        self.vocab_size = self.hf.config.vocab_size
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        out = self.hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+        return out[0, len(prompt):].tolist()
+
+    @torch.no_grad()
+    def logprobs(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
+        """log_softmax of HF's logits at each completion token (what a trainer recomputes)."""
+        ids = torch.tensor([prompt + completion])
+        logits = self.hf(ids).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="session", params=["llama", "llama3", "qwen2", "qwen3"])
+def tiny_model(request, tmp_path_factory) -> TinyModel:
+    return TinyModel(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory) -> TinyModel:
+    return TinyModel("llama", tmp_path_factory.mktemp("llama_single"))
+
+
+def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
