@@ -16,6 +16,7 @@ devices other than "the source tensor's", or how buckets travel.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -131,21 +132,28 @@ def plan_buckets(
         yield _make_meta(index, entries, end, is_last=True), tensors
 
 
-def pack_bucket(meta: BucketMeta, tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_bucket(
+    meta: BucketMeta,
+    tensors: list[torch.Tensor],
+    out: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Copy one planned bucket's tensors into a uint8 buffer of `meta.total_bytes`.
 
     With `out` given (a reusable buffer, e.g. an IPC double buffer) the bytes go into its
-    prefix. Without it, a fresh buffer is allocated on the first tensor's device, except
-    that an oversized contiguous tensor is returned as a zero-copy byte view of itself:
-    the caller must not modify that tensor until the transfer is done.
+    prefix. Without it, a fresh buffer is allocated on `device` (default: the first
+    tensor's device; a transport names its wire device so no second copy is needed),
+    except that an oversized contiguous tensor already there is returned as a zero-copy
+    byte view of itself: the caller must not modify that tensor until the transfer is done.
     """
     if len(tensors) != len(meta.entries):
         raise ValueError(f"bucket {meta.index}: {len(meta.entries)} entries but {len(tensors)} tensors")
     if out is None:
-        if meta.oversized and tensors[0].is_contiguous():
-            return tensors[0].detach().reshape(-1).view(torch.uint8)
-        device = tensors[0].device if tensors else torch.device("cpu")
-        out = torch.empty(meta.total_bytes, dtype=torch.uint8, device=device)
+        target = torch.device(device) if device is not None else tensors[0].device
+        first = tensors[0]
+        if meta.oversized and first.is_contiguous() and _same_device(first.device, target):
+            return first.detach().reshape(-1).view(torch.uint8)
+        out = torch.empty(meta.total_bytes, dtype=torch.uint8, device=target)
     else:
         _check_buffer(out, meta, "out")
         out = out[: meta.total_bytes]
@@ -173,6 +181,16 @@ def unpack_bucket(meta: BucketMeta, buffer: torch.Tensor) -> list[tuple[str, tor
         )
         for entry in meta.entries
     ]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cuda" and "cuda:0" can be the same device; compare resolved indices.
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index or a.index is None or b.index is None
 
 
 def _make_meta(index: int, entries: list[BucketEntry], end: int, *, is_last: bool) -> BucketMeta:
@@ -210,11 +228,9 @@ def _check_named_tensor(name: object, tensor: object) -> None:
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
+    # No DTensor can exist unless its module was imported, and importing it costs ~1 s.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _check_buffer(buffer: object, meta: BucketMeta, what: str) -> None:
