@@ -1,0 +1,264 @@
+"""Trainer-side hook: walk a training model and push its weights under Hugging Face names.
+
+`iter_hf_weights(model)` yields (hf_name, tensor) for every parameter of
+
+- a plain HF model (the names of `model.named_parameters()`);
+- a wrapped one: DDP (`module.`), torch.compile (`_orig_mod.`), activation checkpointing
+  (`_checkpoint_wrapped_module.`), FSDP1 (`_fsdp_wrapped_module.`): wrappers are looked
+  through, so their prefixes never appear;
+- an FSDP2 (`fully_shard`) one: parameters are DTensor shards; each is gathered with
+  `full_tensor()` only when the consumer asks for it, so with lazy bucket packing only
+  about one bucket of full weights exists at a time. `full_tensor()` is a collective:
+  every rank must walk the model, in the same order (WeightSyncSender.push does this);
+- a PEFT LoRA model: each LoRA-wrapped layer yields its MERGED weight W + scale * B @ A
+  (via PEFT's own `get_delta_weight`, so the numbers match `merge_and_unload()`) under
+  the base layer's HF name; the model is never modified, and lora_A / lora_B never leave.
+
+Parameters only: buffers are not weights a trainer changes.
+
+Tied weights (e.g. `lm_head.weight` is `model.embed_tokens.weight`): with skip_tied=True
+(the default) a shared parameter is yielded once, under the first name in module order,
+which is what `save_pretrained` writes and what an HF-format loader expects for a model
+with `tie_word_embeddings`. skip_tied=False yields it under every name.
+
+LoRA-only sync (send just the adapter, let the engine's multi-LoRA batching apply it) is
+the `adapter_only=True` path: it is reserved here and raises until the lora package
+(adapter validation, slots) exists, because the engine side must accept adapters first.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from weightsync.transports.base import SendStats, WeightSender
+
+# Modules that wrap exactly one child whose name must not appear in HF names.
+WRAPPER_CHILD_NAMES = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
+
+
+def iter_hf_weights(
+    model: nn.Module,
+    *,
+    skip_tied: bool = True,
+    adapter_only: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Lazily yield (hf_name, full tensor) for every parameter of a training model.
+
+    `dtype` casts floating-point weights (e.g. fp32 master weights -> bf16 for the engine)
+    one tensor at a time, before they are bucketed, so fewer bytes travel.
+    """
+    if adapter_only:
+        raise NotImplementedError("LoRA-only sync arrives with the lora package")
+    walk = _Walk(skip_tied=skip_tied, dtype=dtype)
+    with torch.no_grad():
+        yield from walk.module(model, "")
+
+
+def has_sharded_parameters(model: nn.Module) -> bool:
+    """True when walking the model runs collectives (DTensor parameters, e.g. FSDP2)."""
+    return any(_is_dtensor(parameter) for parameter in model.parameters())
+
+
+class WeightSyncSender:
+    """One call per training step: `push(model)` walks the model and sends its weights.
+
+    Under torchrun every rank calls push(). Only rank 0 sends (it alone needs a
+    transport). With sharded (FSDP2) parameters the other ranks walk the model too, since
+    each `full_tensor()` gather needs all of them, and throw the tensors away; with
+    replicated (plain, DDP) parameters they return at once. If rank 0's send fails half
+    way, rank 0 still finishes the walk before raising, so the other ranks never hang in a
+    gather; they return None either way, so tell them about failures through your own
+    channel if they must know.
+    """
+
+    def __init__(
+        self,
+        transport: WeightSender | None,
+        *,
+        skip_tied: bool = True,
+        adapter_only: bool = False,
+        dtype: torch.dtype | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self.rank = _default_rank() if rank is None else rank
+        if self.rank == 0 and transport is None:
+            raise ValueError("rank 0 sends the weights and needs a transport")
+        if adapter_only:
+            raise NotImplementedError("LoRA-only sync arrives with the lora package")
+        self.transport = transport
+        self.skip_tied = skip_tied
+        self.dtype = dtype
+
+    def push(self, model: nn.Module) -> SendStats | None:
+        weights = iter_hf_weights(model, skip_tied=self.skip_tied, dtype=self.dtype)
+        sharded = has_sharded_parameters(model)
+        if self.rank != 0:
+            if sharded:
+                for _ in weights:
+                    pass
+            return None
+        assert self.transport is not None
+        try:
+            return self.transport.send(weights)
+        except BaseException:
+            if sharded:
+                for _ in weights:  # keep the other ranks' gathers matched
+                    pass
+            raise
+
+
+@dataclass
+class _Walk:
+    skip_tied: bool
+    dtype: torch.dtype | None
+    seen: set[int] = field(default_factory=set)
+
+    def module(self, module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        module = _unwrap(module)
+        if _is_lora_layer(module):
+            yield from self.lora_layer(module, prefix)
+            return
+        if _is_modules_to_save(module):
+            yield from self.module(_active_saved_module(module), prefix)
+            return
+        _reject_other_peft_layers(module, prefix)
+        for name, parameter in module._parameters.items():
+            if parameter is not None:
+                yield from self.parameter(prefix + name, parameter)
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from self.module(child, prefix if name in WRAPPER_CHILD_NAMES else f"{prefix}{name}.")
+
+    def parameter(
+        self, name: str, parameter: torch.Tensor, merge: list[torch.Tensor] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if type(parameter).__name__ == "FlatParameter":
+            raise TypeError(
+                f"{name!r} is an FSDP1 flat parameter; use FSDP2 (fully_shard), or FSDP1 with "
+                "use_orig_params=True and push inside FSDP.summon_full_params(model, writeback=False)"
+            )
+        key = id(parameter)
+        if key in self.seen and self.skip_tied:
+            return
+        self.seen.add(key)
+        tensor = _full(parameter)
+        if merge:
+            # clone + in-place add is exactly what PEFT's merge() does to the base weight,
+            # dtype rounding included, so the result matches merge_and_unload() bit for bit.
+            tensor = tensor.clone()
+            for delta in merge:
+                tensor += delta
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        yield name, tensor
+
+    def lora_layer(self, layer: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        base = layer.get_base_layer()
+        adapters = _adapters_to_merge(layer, prefix)
+        weight_deltas = [_full(layer.get_delta_weight(adapter)) for adapter in adapters]
+        bias_deltas = [
+            _full(layer.lora_B[adapter].bias) * layer.scaling[adapter]
+            for adapter in adapters
+            if layer.lora_bias.get(adapter, False)
+        ]
+        for name, parameter in base._parameters.items():
+            if parameter is None:
+                continue
+            merge = weight_deltas if name == "weight" else bias_deltas if name == "bias" else None
+            yield from self.parameter(prefix + name, parameter, merge)
+        for name, child in base._modules.items():
+            if child is not None:
+                yield from self.module(child, f"{prefix}{name}.")
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """Look through wrappers that hold the real model as one attribute."""
+    while True:
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            module = module.module
+            continue
+        peft = sys.modules.get("peft")
+        if peft is not None and isinstance(module, peft.PeftModel):
+            module = module.get_base_model()
+            continue
+        tuners = sys.modules.get("peft.tuners.tuners_utils")
+        if tuners is not None and isinstance(module, tuners.BaseTuner):
+            module = module.model
+            continue
+        return module
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    if _is_dtensor(tensor):
+        return tensor.full_tensor().detach()
+    return tensor.detach()
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+# PEFT is optional: no PEFT layer can exist unless peft was imported, so look it up lazily.
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    lora = sys.modules.get("peft.tuners.lora.layer")
+    return lora is not None and isinstance(module, lora.LoraLayer)
+
+
+def _is_modules_to_save(module: nn.Module) -> bool:
+    other = sys.modules.get("peft.utils.other")
+    return other is not None and isinstance(module, other.ModulesToSaveWrapper)
+
+
+def _reject_other_peft_layers(module: nn.Module, prefix: str) -> None:
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    other = sys.modules.get("peft.utils.other")
+    unsupported = (tuners is not None and isinstance(module, tuners.BaseTunerLayer)) or (
+        other is not None and isinstance(module, getattr(other, "AuxiliaryTrainingWrapper", ()))
+    )
+    if unsupported:
+        raise NotImplementedError(
+            f"{prefix.rstrip('.') or 'model'}: PEFT layer {type(module).__name__} cannot be merged on the fly; "
+            "only LoRA layers and modules_to_save are supported"
+        )
+
+
+def _active_saved_module(wrapper: nn.Module) -> nn.Module:
+    # Mirrors ModulesToSaveWrapper.forward: the trained copy serves only when enabled.
+    adapters = list(wrapper.active_adapters)
+    if wrapper.disable_adapters or not adapters or any(a not in wrapper.modules_to_save for a in adapters):
+        return wrapper.original_module
+    return wrapper.modules_to_save[adapters[0]]
+
+
+def _adapters_to_merge(layer: nn.Module, prefix: str) -> list[str]:
+    """The adapters whose delta the layer's forward adds on top of its base weight."""
+    where = prefix.rstrip(".")
+    if layer.disable_adapters:
+        if layer.merged:
+            raise ValueError(
+                f"{where}: adapters are disabled but merged into the base weight; call unmerge_adapter() first"
+            )
+        return []
+    if layer.merged:
+        return []  # forward uses the base layer, which already holds the merged adapters
+    adapters = [a for a in layer.active_adapters if a in layer.lora_A or a in layer.lora_embedding_A]
+    for adapter in adapters:
+        if adapter in getattr(layer, "lora_variant", {}):
+            variant = type(layer.lora_variant[adapter]).__name__
+            raise NotImplementedError(f"{where}: LoRA variant {variant} (e.g. DoRA) cannot be merged on the fly yet")
+    return adapters
+
+
+def _default_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
