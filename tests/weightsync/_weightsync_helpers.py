@@ -68,3 +68,53 @@ def assert_same_tensors(received: list[tuple[str, torch.Tensor]], expected: list
             got.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
             want.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
         ), f"{name} differs"
+
+
+def tiny_hf_like(*, seed: int = 0) -> torch.nn.Module:
+    """A Llama-shaped stand-in (same parameter names, tied lm_head) without transformers.
+
+    For spawned children, where importing transformers would cost ~3 s per process.
+    """
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = nn.Linear(32, 32, bias=False)
+            self.k_proj = nn.Linear(32, 16, bias=False)
+            self.v_proj = nn.Linear(32, 16, bias=False)
+            self.o_proj = nn.Linear(32, 32, bias=False)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = Attention()
+            self.input_layernorm = nn.RMSNorm(32)
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            attn = self.self_attn
+            mixed = attn.q_proj(hidden) + attn.o_proj(hidden) + attn.k_proj(hidden).repeat(1, 1, 2) + attn.v_proj(hidden).repeat(1, 1, 2)
+            return self.input_layernorm(hidden + mixed)
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(128, 32)
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            self.norm = nn.RMSNorm(32)
+
+    class ForCausalLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Decoder()
+            self.lm_head = nn.Linear(32, 128, bias=False)
+            self.lm_head.weight = self.model.embed_tokens.weight  # tied, as with tie_word_embeddings
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            hidden = self.model.embed_tokens(input_ids)
+            for layer in self.model.layers:
+                hidden = layer(hidden)
+            return self.lm_head(self.model.norm(hidden))
+
+    torch.manual_seed(seed)
+    return ForCausalLM()

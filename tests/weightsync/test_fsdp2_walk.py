@@ -1,0 +1,108 @@
+"""FSDP2 (fully_shard) on CPU with gloo, two spawned ranks: every rank walks, rank 0 sends.
+
+The model is a Llama-shaped stand-in (same names, tied lm_head): importing transformers
+in each child would triple this test's time. Children report through files (safetensors
++ JSON), never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _weightsync_helpers import assert_same_tensors, free_port
+
+from weightsync.transports import iter_safetensors_dir
+
+WORLD_SIZE = 2
+
+
+def _fsdp_supported() -> str | None:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as error:
+        return f"torch.distributed.fsdp.fully_shard is unavailable: {error}"
+    if not torch.distributed.is_gloo_available():
+        return "torch was built without gloo"
+    return None
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from _weightsync_helpers import FakeEngine, tiny_hf_like
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from weightsync.trainer import WeightSyncSender, iter_hf_weights
+    from weightsync.transports import InProcessSender, save_safetensors_dir
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    report: dict[str, object] = {}
+    try:
+        model = tiny_hf_like()  # same seed on every rank: same full weights
+        reference = [(name, parameter.detach().clone()) for name, parameter in model.named_parameters()]
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model(torch.tensor([[1, 2, 3]])).sum().backward()  # a real step's state
+        report["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+
+        # Lazy: one gather per parameter, only when the consumer asks for the next one.
+        gathers = 0
+        original_full_tensor = DTensor.full_tensor
+
+        def counting_full_tensor(self, *args, **kwargs):
+            nonlocal gathers
+            gathers += 1
+            return original_full_tensor(self, *args, **kwargs)
+
+        DTensor.full_tensor = counting_full_tensor
+        walker = iter_hf_weights(model)
+        next(walker)
+        report["gathers_after_first"] = gathers
+        for _ in walker:
+            pass
+        report["gathers_total"] = gathers
+        DTensor.full_tensor = original_full_tensor
+
+        engine = FakeEngine() if rank == 0 else None
+        stats = WeightSyncSender(InProcessSender(engine) if engine else None).push(model)
+        report["stats_is_none"] = stats is None
+        if engine is not None:
+            save_safetensors_dir(engine.last, Path(out_dir) / "received")
+            save_safetensors_dir(reference, Path(out_dir) / "reference")
+
+        # Rank 0's engine fails after 3 tensors: rank 0 raises, rank 1 must not hang.
+        failing = InProcessSender(FakeEngine(fail_after=3)) if rank == 0 else None
+        try:
+            WeightSyncSender(failing).push(model)
+            report["failure"] = None
+        except ValueError as error:
+            report["failure"] = str(error)
+        check = torch.ones(1)
+        dist.all_reduce(check)  # both ranks got here, in step
+        report["in_step"] = check.item() == WORLD_SIZE
+    finally:
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(_fsdp_supported() is not None, reason=str(_fsdp_supported()))
+def test_fsdp2_push_on_cpu_gloo(tmp_path):
+    mp.start_processes(
+        _rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn", join=True
+    )
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    reference = list(iter_safetensors_dir(tmp_path / "reference"))
+    for report in reports:
+        assert report["sharded"] and report["in_step"]
+        assert report["gathers_after_first"] == 1
+        assert report["gathers_total"] == len(reference)  # tied lm_head gathered once
+    assert reports[0]["stats_is_none"] is False and reports[1]["stats_is_none"] is True
+    assert "fake engine rejects" in reports[0]["failure"] and reports[1]["failure"] is None
+    received = list(iter_safetensors_dir(tmp_path / "received"))
+    assert "lm_head.weight" not in dict(received)
+    assert_same_tensors(received, reference)
