@@ -1,12 +1,18 @@
 """Reference attention in plain torch (CPU and GPU): the backend every other is checked
 against, and the CPU engine's fast path.
 
-Decodes are batched: their KV slots are gathered into a padded `[B, max_len]` index matrix
-once per step, and each layer does one masked batched matmul. Extends (prefill chunks) are
-done one request at a time with an explicit causal-with-offset mask.
+Three shapes of work, each batched where it can be:
+- decodes (one new token): their KV slots are gathered into a padded `[B, max_len]` index
+  matrix once per step; each layer does one masked batched matmul over KV groups;
+- fresh prefills (no cached prefix): the new tokens' own K/V are all there is to attend
+  to, so no gather at all; prompts of equal length run as one causal SDPA call;
+- extends over a cached prefix (chunks, cache hits, resumes): one request at a time with
+  an explicit causal-with-offset mask.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -32,17 +38,26 @@ class TorchAttention(AttentionBackend):
             gather = (starts[:, None] + offs[None, :]).clamp(max=batch.kv_indices.numel() - 1)
             # Padded positions read slot 0 (the reserved padding page) and are masked out.
             self.decode_idx = torch.where(self.decode_mask, batch.kv_indices[gather], 0)
+        # fresh prefills grouped by length: n -> token row offsets of each request
+        fresh: dict[int, list[int]] = defaultdict(list)
         self.extends: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         q_start = nd
         kv_start = sum(batch.seq_lens[:nd])
         for n, seq_len in zip(batch.extend_lens[nd:], batch.seq_lens[nd:]):
-            kv_idx = batch.kv_indices[kv_start : kv_start + seq_len]
-            # new token i sits at position seq_len - n + i and sees positions <= that
-            q_pos = torch.arange(seq_len - n, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [n, seq_len]
-            self.extends.append((q_start, q_start + n, kv_idx, mask))
+            if seq_len == n:
+                fresh[n].append(q_start)
+            else:
+                kv_idx = batch.kv_indices[kv_start : kv_start + seq_len]
+                # new token i sits at position seq_len - n + i and sees positions <= that
+                q_pos = torch.arange(seq_len - n, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [n, seq_len]
+                self.extends.append((q_start, q_start + n, kv_idx, mask))
             q_start += n
             kv_start += seq_len
+        self.fresh = [
+            (n, (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).reshape(-1))
+            for n, starts in fresh.items()
+        ]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         batch = self.batch
@@ -50,20 +65,28 @@ class TorchAttention(AttentionBackend):
         self.pool.store(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         out = torch.empty_like(q)
-        group = self.num_heads // self.num_kv_heads
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
         if self.decode_idx is not None:
             nd = batch.num_decode
             keys = k_buf[self.decode_idx].transpose(1, 2)  # [Bd, Hkv, L, D]
             values = v_buf[self.decode_idx].transpose(1, 2)
-            qg = q[:nd].reshape(nd, self.num_kv_heads, group, self.head_dim)  # [Bd, Hkv, G, D]
+            qg = q[:nd].reshape(nd, hkv, group, d)  # [Bd, Hkv, G, D]
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Bd, Hkv, G, L]
             scores.masked_fill_(~self.decode_mask[:, None, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            out[:nd] = torch.matmul(probs, values).reshape(nd, self.num_heads, self.head_dim)
+            out[:nd] = torch.matmul(probs, values).reshape(nd, self.num_heads, d)
+        for n, rows in self.fresh:
+            b = rows.numel() // n
+            qs = q[rows].reshape(b, n, self.num_heads, d).transpose(1, 2)  # [b, H, n, D]
+            ks = k[rows].reshape(b, n, hkv, d).transpose(1, 2)  # [b, Hkv, n, D]
+            vs = v[rows].reshape(b, n, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=group > 1)
+            out[rows] = o.transpose(1, 2).reshape(b * n, self.num_heads, d)
         for q_start, q_end, kv_idx, mask in self.extends:
             qs = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            keys = k_buf[kv_idx].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)  # [1, H, L, D]
-            values = v_buf[kv_idx].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale)
+            keys = k_buf[kv_idx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            values = v_buf[kv_idx].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=group > 1)
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out

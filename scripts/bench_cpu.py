@@ -1,0 +1,83 @@
+"""CPU benchmark: the engine against transformers `generate`, side by side in one run.
+
+SmolLM2-135M-Instruct, float32, input 128 / output 64 tokens (EOS ignored), greedy, at
+batch 16 and 64. Prints output tokens/s for both and the ratio (ratios, not absolute
+times, are what is comparable on a noisy shared machine).
+
+    python -m scripts.bench_cpu [--batches 16 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+
+def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == prompts.shape[1] + new_tokens
+    return prompts.shape[0] * new_tokens / elapsed
+
+
+def bench_engine(engine, prompts: torch.Tensor, new_tokens: int) -> float:
+    from rollout import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts.tolist(), sampling_params=params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return len(outs) * new_tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout import Engine, EngineConfig
+    from scripts.fetch_model import fetch_default_model
+
+    path = str(fetch_default_model())
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = Engine(EngineConfig(model=path, dtype="float32", device="cpu", max_running_requests=max(args.batches)))
+    g = torch.Generator().manual_seed(0)
+    # warm-up: first calls pay one-off allocation costs
+    warm = torch.randint(100, 40000, (2, 16), generator=g)
+    bench_hf(hf, warm, 4)
+    bench_engine(engine, warm, 4)
+
+    rows = []
+    for batch in args.batches:
+        prompts = torch.randint(100, 40000, (batch, args.input_len), generator=g)
+        hf_tps = bench_hf(hf, prompts, args.output_len)
+        engine.flush_cache()
+        eng_tps = bench_engine(engine, prompts, args.output_len)
+        rows.append((batch, hf_tps, eng_tps))
+        print(f"batch {batch}: transformers {hf_tps:.1f} tok/s, engine {eng_tps:.1f} tok/s", flush=True)
+
+    print(f"\nSmolLM2-135M fp32, in {args.input_len} / out {args.output_len}, {args.threads} threads, "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
+    print(f"{'batch':>6} | {'transformers tok/s':>18} | {'engine tok/s':>12} | {'ratio':>6}")
+    print(f"{'-' * 6}-+-{'-' * 18}-+-{'-' * 12}-+-{'-' * 6}")
+    for batch, hf_tps, eng_tps in rows:
+        print(f"{batch:>6} | {hf_tps:>18.1f} | {eng_tps:>12.1f} | {eng_tps / hf_tps:>5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

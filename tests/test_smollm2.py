@@ -1,0 +1,55 @@
+"""The real default model, SmolLM2-135M-Instruct (fetched from PyPI once and cached):
+greedy chat completions equal transformers' token for token, in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain in one sentence what a GPU is.",
+    "Translate 'good morning' into Spanish.",
+]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts.fetch_model import fetch_default_model
+
+    path = fetch_default_model()
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return str(path), tok, hf
+
+
+def test_greedy_chat_completions_match_transformers(smollm2) -> None:
+    path, tok, hf = smollm2
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False) for q in QUESTIONS]
+    ids = [tok.encode(p) for p in prompts]
+    expected = []
+    with torch.no_grad():
+        for p in ids:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            expected.append(out[0, len(p):].tolist())
+    engine = Engine(EngineConfig(model=path, page_size=16))
+    outs = engine.generate(input_ids=ids, sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW))
+    assert [o.token_ids for o in outs] == expected
+    assert "Paris" in outs[0].text
+    # a later chat shares the system prompt with the cached ones
+    later = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a color."}], add_generation_prompt=True, tokenize=False))
+    hit = engine.generate(input_ids=[later], sampling_params=SamplingParams(temperature=0, max_new_tokens=4))[0]
+    assert hit.num_cached_tokens >= 16 and engine.stats().prefix_cache_hit_rate > 0
+    # raw log-probs of the greedy tokens match transformers on the same sequence
+    full = torch.tensor([ids[0] + outs[0].token_ids])
+    with torch.no_grad():
+        logits = hf(full).logits[0, len(ids[0]) - 1 : -1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[0].token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(outs[0].logprobs), ref, atol=1e-4, rtol=0)
