@@ -53,3 +53,17 @@ def test_greedy_chat_completions_match_transformers(smollm2) -> None:
         logits = hf(full).logits[0, len(ids[0]) - 1 : -1].float()
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[0].token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(outs[0].logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_stop_strings_and_prompts_text(smollm2) -> None:
+    path, tok, _ = smollm2
+    engine = Engine(EngineConfig(model=path))
+    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True, tokenize=False)
+    full = engine.generate(prompts=[prompt], sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW))[0]
+    assert full.finish_reason == "stop" and "Paris" in full.text
+    stop = " of France"  # inside the greedy answer "The capital of France is Paris."
+    assert stop in full.text
+    cut = engine.generate(prompts=[prompt], sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
