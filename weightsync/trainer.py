@@ -55,9 +55,14 @@ def iter_hf_weights(
     """
     if adapter_only:
         raise NotImplementedError("LoRA-only sync arrives with the lora package")
-    walk = _Walk(skip_tied=skip_tied, dtype=dtype)
-    with torch.no_grad():
-        yield from walk.module(model, "")
+    return _walk_without_grad(_Walk(skip_tied=skip_tied, dtype=dtype), model)
+
+
+# As a decorator, no_grad wraps each resume of the generator; a `with` block inside it
+# would leave grad mode off in the consumer's code between items.
+@torch.no_grad()
+def _walk_without_grad(walk: _Walk, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from walk.module(model, "")
 
 
 def has_sharded_parameters(model: nn.Module) -> bool:

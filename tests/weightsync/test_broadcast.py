@@ -24,7 +24,7 @@ def _engine_main(port: int, out_dir: str, updates: int) -> None:
     """Engine rank 1: apply `updates` updates to a fake engine, record results and errors."""
     engine = FakeEngine()
     errors: list[str] = []
-    group = open_group("127.0.0.1", port, 1, 2, timeout_s=20)
+    group = open_group("127.0.0.1", port, 1, 2, timeout_s=20, join_timeout_s=120)
     for i in range(updates):
         try:
             engine.update_weights(receive(group), full=True)
@@ -37,7 +37,7 @@ def _engine_main(port: int, out_dir: str, updates: int) -> None:
 
 def _silent_trainer_engine_main(port: int, out_dir: str) -> None:
     """Engine rank 1 whose trainer never sends: receive must fail by the timeout; then die."""
-    group = open_group("127.0.0.1", port, 1, 2, timeout_s=2)
+    group = open_group("127.0.0.1", port, 1, 2, timeout_s=2, join_timeout_s=60)
     started = time.monotonic()
     try:
         list(receive(group))
@@ -58,7 +58,7 @@ def _spawn(target, *args) -> mp.Process:
 def test_broadcast_tiny_llama_to_engine_process(tmp_path):
     port = free_port()
     engine = _spawn(_engine_main, port, str(tmp_path), 3)
-    group = open_group("127.0.0.1", port, 0, 2, timeout_s=20)
+    group = open_group("127.0.0.1", port, 0, 2, timeout_s=20, join_timeout_s=120)
     assert not dist.is_initialized(), "the weight-sync group must not create a default process group"
     sender = BroadcastSender(group, bucket_bytes=SMALL_BUCKET)
 
@@ -89,7 +89,8 @@ def test_broadcast_tiny_llama_to_engine_process(tmp_path):
 def test_silent_trainer_and_dead_engine_fail_within_timeout(tmp_path):
     port = free_port()
     engine = _spawn(_silent_trainer_engine_main, port, str(tmp_path))
-    group = open_group("127.0.0.1", port, 0, 2, timeout_s=2)
+    # A short step timeout, but time enough for the child process to start.
+    group = open_group("127.0.0.1", port, 0, 2, timeout_s=2, join_timeout_s=60)
     engine.join(timeout=30)
     assert engine.exitcode == 0
     outcome = json.loads((tmp_path / "outcome.json").read_text())
@@ -140,6 +141,7 @@ def test_duplicate_rank_is_refused():
         ({"rank": 2}, "rank must be in 0..1"),
         ({"timeout_s": 0}, "timeout_s must be > 0"),
         ({"master_port": 0}, "master_port"),
+        ({"join_timeout_s": -1}, "join_timeout_s must be > 0"),
     ],
 )
 def test_open_group_rejects_bad_arguments(kwargs, message):
@@ -159,3 +161,44 @@ def test_roles_are_enforced():
         close_group(group)
     with pytest.raises(WeightSyncError, match="closed"):
         BroadcastSender(group).send([])
+
+
+# --- NCCL: needs CUDA; two ranks need two GPUs (NCCL refuses two ranks on one GPU) -----
+
+
+def _nccl_engine_main(port: int, out_dir: str) -> None:
+    engine = FakeEngine()
+    group = open_group("127.0.0.1", port, 1, 2, backend="nccl", timeout_s=60, device="cuda:1")
+    engine.update_weights(receive(group), full=True)
+    close_group(group)
+    assert all(tensor.device == torch.device("cuda", 1) for _, tensor in engine.last)
+    save_safetensors_dir(engine.last, Path(out_dir) / "received")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="NCCL needs CUDA")
+def test_nccl_group_of_one_runs_the_protocol():
+    group = open_group("127.0.0.1", free_port(), 0, 1, backend="nccl", timeout_s=30)
+    try:
+        assert group.device.type == "cuda" and not dist.is_initialized()
+        weights = [(name, p.detach().cuda()) for name, p in tiny_llama(dtype=torch.bfloat16).named_parameters()]
+        assert BroadcastSender(group, bucket_bytes=SMALL_BUCKET).send(weights).num_buckets > 3
+    finally:
+        close_group(group)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 CUDA GPUs for NCCL")
+def test_nccl_broadcast_between_two_gpus(tmp_path):
+    port = free_port()
+    engine = _spawn(_nccl_engine_main, port, str(tmp_path))
+    group = open_group("127.0.0.1", port, 0, 2, backend="nccl", timeout_s=60, device="cuda:0")
+    weights = [(name, p.detach().cuda(0)) for name, p in tiny_llama(dtype=torch.bfloat16).named_parameters()]
+    weights.append(("extra.fp32", torch.randn(3, 5, device="cuda:0")))
+    try:
+        assert BroadcastSender(group, bucket_bytes=SMALL_BUCKET).send(weights).num_buckets > 3
+    finally:
+        close_group(group)
+    engine.join(timeout=120)
+    assert engine.exitcode == 0
+    assert_same_tensors(list(iter_safetensors_dir(tmp_path / "received")), weights)

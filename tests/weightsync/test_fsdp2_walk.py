@@ -8,6 +8,7 @@ in each child would triple this test's time. Children report through files (safe
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def _fsdp_supported() -> str | None:
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from _weightsync_helpers import FakeEngine, tiny_hf_like
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -44,9 +46,11 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     try:
         model = tiny_hf_like()  # same seed on every rank: same full weights
         reference = [(name, parameter.detach().clone()) for name, parameter in model.named_parameters()]
+        # An explicit CPU mesh: on a CUDA machine fully_shard would otherwise pick the GPU.
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         model(torch.tensor([[1, 2, 3]])).sum().backward()  # a real step's state
         report["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
 
@@ -92,9 +96,15 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.skipif(_fsdp_supported() is not None, reason=str(_fsdp_supported()))
 def test_fsdp2_push_on_cpu_gloo(tmp_path):
-    mp.start_processes(
-        _rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn", join=True
+    ranks = mp.start_processes(
+        _rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn", join=False
     )
+    deadline = time.monotonic() + 120
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("FSDP2 ranks did not finish within 120 s (a gather out of step?)")
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     reference = list(iter_safetensors_dir(tmp_path / "reference"))
     for report in reports:

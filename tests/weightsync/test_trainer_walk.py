@@ -26,6 +26,12 @@ def test_plain_model_yields_hf_names_in_order():
     assert walked[0][1].data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+def test_walking_leaves_grad_mode_alone_between_items():
+    walker = iter_hf_weights(tiny_llama())
+    _, first = next(walker)
+    assert torch.is_grad_enabled() and not first.requires_grad
+
+
 def test_tied_weights_once_or_under_every_name():
     model = tiny_llama(tie=True)
     names = [name for name, _ in iter_hf_weights(model)]

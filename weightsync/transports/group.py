@@ -10,9 +10,9 @@ Ranks: 0 is the trainer (the only sender, and the TCPStore host); engine process
 ranks `rank_offset .. rank_offset + n - 1` (rank_offset >= 1; with one trainer and one
 engine of n ranks, rank_offset = 1 and world_size = 1 + n).
 
-Joining is bounded by `timeout_s` end to end: a peer that never shows up gives a
-`WeightSyncError` naming who is missing, not a hang. Collectives then use the same
-timeout (gloo raises; NCCL's watchdog aborts the communicator, which by default also
+Joining is bounded by `join_timeout_s` end to end: a peer that never shows up gives a
+`WeightSyncError` naming who is missing, not a hang. Each collective is bounded by
+`timeout_s` (gloo raises; NCCL's watchdog aborts the communicator, which by default also
 takes the process down: that is NCCL's policy, not ours).
 """
 
@@ -83,15 +83,22 @@ def open_group(
     *,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    join_timeout_s: float | None = None,
     device: torch.device | str | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) a weight-sync group; every rank calls this with the same address.
 
-    `device` only matters for NCCL (default: the current CUDA device); gloo moves CPU tensors.
+    `timeout_s` bounds each transfer step (a peer silent that long is taken as dead);
+    `join_timeout_s` (default: timeout_s) bounds waiting for all ranks to show up, which
+    can take much longer, e.g. while the trainer loads its model. `device` only matters
+    for NCCL (default: the current CUDA device); gloo moves CPU tensors.
     """
+    join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
     _validate_args(master_addr, master_port, rank, world_size, backend, timeout_s)
+    if not join_timeout_s > 0:
+        raise ValueError(f"join_timeout_s must be > 0, got {join_timeout_s!r}")
     address = f"{master_addr}:{master_port}"
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + join_timeout_s
     store = _connect_store(master_addr, master_port, rank, world_size, deadline, address)
     _rendezvous(store, rank, world_size, deadline, address)
     timeout = timedelta(seconds=timeout_s)
