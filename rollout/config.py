@@ -29,6 +29,9 @@ class EngineConfig:
     enable_radix_cache: bool = True
     schedule_policy: str = "fcfs"
     attention: str = "auto"
+    # "auto": weights from the checkpoint's safetensors; "dummy": random weights of the
+    # shapes in config.json, made on the device (benchmarks of large shapes, no download).
+    load_format: str = "auto"
     # Load a tokenizer from the checkpoint dir when present (needed for prompts=, text, stop strings).
     load_tokenizer: bool = True
     seed: int = 0
@@ -53,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens}: must be >= page_size")
         if self.schedule_policy not in _POLICIES:
             raise ValueError(f"EngineConfig.schedule_policy={self.schedule_policy!r}: expected one of {_POLICIES}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"EngineConfig.load_format={self.load_format!r}: expected 'auto' or 'dummy'")
         if self.attention not in _ATTENTION:
             raise ValueError(f"EngineConfig.attention={self.attention!r}: expected one of {_ATTENTION}")
 

@@ -41,7 +41,10 @@ class Engine:
         cfg = self.model_config
         self.context_len = cfg.max_position_embeddings
         self.model = _build_model(cfg, self.context_len, config.torch_dtype, self.device)
-        load_weights(self.model, iter_checkpoint(config.model), full=True)
+        if config.load_format == "dummy":
+            _init_random(self.model, config.seed)
+        else:
+            load_weights(self.model, iter_checkpoint(config.model), full=True)
         self.tokenizer = _load_tokenizer(config.model) if config.load_tokenizer else None
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -387,6 +390,19 @@ def _build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, devic
     # rope tables stay float32 whatever the weights are
     model.rotary.to(torch.float32)
     return model.eval()
+
+
+@torch.no_grad()
+def _init_random(model: LlamaModel, seed: int) -> None:
+    """Random weights (std 0.02, norms at 1), drawn on the model's device."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 def _load_tokenizer(path: str):

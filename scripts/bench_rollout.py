@@ -1,0 +1,266 @@
+"""GPU rollout benchmark: random bf16 weights shaped like Llama-3.1-8B or Qwen3-0.6B, made on
+the GPU (no download), against the memory-bandwidth roofline and transformers `generate`.
+
+Workloads (issue #3):
+  a  256 prompts, input 512, output 256, ignore EOS
+  b  batch 1, input 128, output 256
+  c  GRPO-shaped: 64 prompts x n=8, prompt 1024, output 256, radix cache on and off
+  d  256 sequences, input and output lengths uniform in [100, 1024]
+
+For each: output tokens/s, mean step time, and the roofline for the same work: every
+decode step reads the weights once plus the KV of every running sequence (bytes over the
+device copy bandwidth measured in this run), and prefill does 2 x params FLOPs per prompt
+token (over the bf16 matmul rate measured in this run).
+
+    python -m scripts.bench_rollout [--shape llama8b|qwen06b] [--workloads a b c d] [--hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "llama8b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "qwen06b": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+    ),
+}
+
+
+@dataclass
+class Result:
+    name: str
+    output_tokens: int
+    seconds: float
+    steps: int
+    roofline_seconds: float  # the bandwidth roofline of the decode steps (issue #3's definition)
+    prefill_floor_seconds: float  # prefill FLOPs over the matmul rate: the rest of the floor
+    prefill_seconds: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def roofline_tok_s(self) -> float:
+        return self.output_tokens / self.roofline_seconds
+
+
+def measure_ceilings(device: torch.device) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured now."""
+    src = torch.randn(2 * 1024**3 // 2, dtype=torch.bfloat16, device=device)  # 2 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    bw = 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    flops = 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1e3)
+    return bw, flops
+
+
+class Roofline:
+    def __init__(self, cfg: dict, bw: float, flops: float) -> None:
+        h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+        d, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        per_layer = h * (heads * d + 2 * kv * d) + heads * d * h + 3 * h * i
+        self.matmul_params = layers * per_layer + cfg["vocab_size"] * h  # lm_head read every step
+        self.weight_bytes = 2 * self.matmul_params
+        self.kv_bytes_per_token = 2 * layers * kv * d * 2
+        self.bw, self.flops = bw, flops
+
+    def time(self, prompt_lens: list[int], output_lens: list[int], computed_prompt_tokens: int) -> tuple[float, float]:
+        """(decode seconds: one weight read per step + each live sequence's KV over the copy
+        bandwidth; prefill seconds: 2 x params FLOPs per computed prompt token)."""
+        total = 0.0
+        steps = max(output_lens)
+        for s in range(1, steps):
+            live = [(p + s) for p, o in zip(prompt_lens, output_lens) if s < o]
+            if live:
+                total += (self.weight_bytes + self.kv_bytes_per_token * sum(live)) / self.bw
+        return total, 2 * self.matmul_params * computed_prompt_tokens / self.flops
+
+
+def run_engine(engine, prompts: list[list[int]], params, n: int = 1) -> tuple[list, float, float]:
+    """Returns (outputs, total seconds, seconds until every sample had its first token)."""
+    ids = []
+    for p in prompts:
+        ids += engine.add_request(p, params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    first_token_at = None
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+        if first_token_at is None and not engine.scheduler.waiting and all(
+            r.output_ids for r in engine.scheduler.running
+        ):
+            first_token_at = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return outs, time.perf_counter() - start, first_token_at or 0.0
+
+
+def hf_generate(model_dir: str, cfg: dict, batch: int, input_len: int, output_len: int, device) -> float:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    prompts = torch.randint(100, cfg["vocab_size"] - 100, (batch, input_len), device=device)
+    with torch.no_grad():
+        model.generate(prompts[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
+                       min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+    tps = batch * output_len / (time.perf_counter() - start)
+    del model
+    torch.cuda.empty_cache()
+    return tps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
+    parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"])
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--hf", action="store_true", help="also time transformers generate for (a) and (b)")
+    parser.add_argument("--hf-output-len", type=int, default=64, help="output length of the HF peer runs")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    device = torch.device("cuda")
+    cfg = SHAPES[args.shape]
+    model_dir = tempfile.mkdtemp(prefix=f"bench-{args.shape}-")
+    (Path(model_dir) / "config.json").write_text(json.dumps(cfg))
+    bw, flops = measure_ceilings(device)
+    roof = Roofline(cfg, bw, flops)
+    print(f"device copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
+          f"weights read per step {roof.weight_bytes / 1e9:.2f} GB", flush=True)
+    g = torch.Generator().manual_seed(0)
+
+    def rand_prompts(count: int, length: int) -> list[list[int]]:
+        return torch.randint(100, cfg["vocab_size"] - 100, (count, length), generator=g).tolist()
+
+    results: list[Result] = []
+    hf_peer: dict[str, float] = {}
+
+    def engine_for(radix: bool = True):
+        return Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy",
+                                   attention=args.attention, page_size=16, enable_radix_cache=radix,
+                                   max_running_requests=512, max_prefill_tokens=8192))
+
+    engine = engine_for()
+    print(f"engine: backend {engine.runner.backend.name}, KV capacity {engine.kv.capacity} tokens", flush=True)
+    engine.generate(input_ids=rand_prompts(4, 64), sampling_params=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+
+    def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0):
+        r = Result(name, sum(len(o.token_ids) for o in outs), seconds, steps,
+                   *roof.time(prompt_lens, output_lens, computed), prefill)
+        results.append(r)
+        print(f"{name}: {r.tok_s:.0f} tok/s ({r.seconds:.2f} s, {r.steps} steps), roofline {r.roofline_tok_s:.0f} tok/s"
+              + (f", prefill {prefill:.2f} s" if prefill is not None else ""), flush=True)
+
+    for w in args.workloads:
+        try:
+            engine.flush_cache()
+            steps0, computed0 = engine.counters.steps, engine.counters.computed_tokens
+            if w == "a":
+                prompts, out_len = rand_prompts(256, 512), 256
+                params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
+                outs, secs, _ = run_engine(engine, prompts, params)
+                record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
+                       steps=engine.counters.steps - steps0)
+                if args.hf:
+                    hf_peer["a"] = hf_generate(model_dir, cfg, 256, 512, args.hf_output_len, device)
+            elif w == "b":
+                params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
+                outs, secs, _ = run_engine(engine, rand_prompts(1, 128), params)
+                record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128, steps=engine.counters.steps - steps0)
+                if args.hf:
+                    hf_peer["b"] = hf_generate(model_dir, cfg, 1, 128, args.hf_output_len, device)
+            elif w == "c":
+                prompts = rand_prompts(64, 1024)
+                params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
+                for radix in (True, False):
+                    eng = engine if radix else engine_for(radix=False)
+                    eng.flush_cache()
+                    steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
+                    outs, secs, prefill = run_engine(eng, prompts, params)
+                    computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
+                    record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
+                           [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0)
+                    if not radix:
+                        del eng
+                        torch.cuda.empty_cache()
+            elif w == "d":
+                lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
+                lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
+                prompts = [rand_prompts(1, n)[0] for n in lens_in]
+                ids = []
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for p, o in zip(prompts, lens_out):
+                    ids += engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True))
+                outs = []
+                while engine.has_unfinished():
+                    outs += engine.step()
+                torch.cuda.synchronize()
+                record("d: 256 x uniform[100,1024] in/out", outs, time.perf_counter() - start, lens_in, lens_out,
+                       sum(lens_in), steps=engine.counters.steps - steps0)
+        except Exception:  # keep going: one failing workload must not lose the others' figures
+            traceback.print_exc()
+
+    print(f"\n{args.shape}, bf16, backend {engine.runner.backend.name}, {torch.cuda.get_device_name()}, "
+          f"copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.0f} TFLOP/s")
+    print(f"{'workload':<44} | {'tok/s':>8} | {'step ms':>7} | {'roofline':>8} | {'of roof':>7} | "
+          f"{'+prefill':>8} | {'of that':>7} | {'HF tok/s':>8}")
+    for r in results:
+        key = r.name[0]
+        hf = f"{hf_peer[key]:.0f}" if key in hf_peer and "radix off" not in r.name else ""
+        step_ms = 1e3 * r.seconds / max(1, r.steps)
+        floor = r.output_tokens / (r.roofline_seconds + r.prefill_floor_seconds)
+        print(f"{r.name:<44} | {r.tok_s:>8.0f} | {step_ms:>7.2f} | {r.roofline_tok_s:>8.0f} | "
+              f"{r.tok_s / r.roofline_tok_s:>6.0%} | {floor:>8.0f} | {r.tok_s / floor:>6.0%} | {hf:>8}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bw": bw, "flops": flops, "hf": hf_peer,
+                                               "results": [vars(r) for r in results]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
