@@ -129,6 +129,7 @@ def cpu_ipc(monkeypatch):
     """Make export/import an in-process registry and let 'CUDA' be the CPU."""
     registry: dict[bytes, torch.Tensor] = {}
     exported: list[int] = []
+    released: list[bytes] = []  # handles refused without being mapped
 
     def fake_export(buffer: torch.Tensor) -> CudaIpcHandle:
         key = buffer.untyped_storage().data_ptr().to_bytes(8, "little")
@@ -148,8 +149,9 @@ def cpu_ipc(monkeypatch):
 
     monkeypatch.setattr(cuda_ipc, "export_handle", fake_export)
     monkeypatch.setattr(cuda_ipc, "import_handle", fake_import)
+    monkeypatch.setattr(cuda_ipc, "release_handle", lambda handle: released.append(handle.storage_handle))
     monkeypatch.setattr(cuda_ipc, "_resolve_cuda_device", lambda device: torch.device("cpu"))
-    return exported
+    return exported, released
 
 
 def _serve(receiver: CudaIpcReceiver, engine: FakeEngine, outcomes: list) -> None:
@@ -160,6 +162,7 @@ def _serve(receiver: CudaIpcReceiver, engine: FakeEngine, outcomes: list) -> Non
 
 
 def test_protocol_on_cpu(cpu_ipc):
+    exported, released = cpu_ipc
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     receiver = CudaIpcReceiver(endpoint, timeout_s=10)
     sender = CudaIpcSender(endpoint, bucket_bytes=1024, timeout_s=10)
@@ -178,19 +181,24 @@ def test_protocol_on_cpu(cpu_ipc):
         assert_same_tensors(engine.last, weights)
         # Two alternating buffers for regular buckets; the oversized one is the tensor itself.
         embed_ptr = weights[4][1].untyped_storage().data_ptr()
-        assert stats.num_buckets == 6 and cpu_ipc.count(embed_ptr) == 1
-        assert len({ptr for ptr in cpu_ipc if ptr != embed_ptr}) == 2
+        assert stats.num_buckets == 6 and exported.count(embed_ptr) == 1
+        assert len({ptr for ptr in exported if ptr != embed_ptr}) == 2
 
         # The engine rejects the next update part-way: the trainer hears why, and both
         # sides are ready for the update after it.
-        for failing_engine, expected in ((FakeEngine(fail_after=2), "failed on bucket"), (FakeEngine(fail_after=20), "rejected")):
+        # A bucket refused unmapped gives its IPC reference back; the end message has none.
+        for failing_engine, expected, refused in (
+            (FakeEngine(fail_after=2), "failed on bucket", 1),
+            (FakeEngine(fail_after=20), "rejected", 0),
+        ):
+            released.clear()
             outcomes = []
             thread = threading.Thread(target=_serve, args=(receiver, failing_engine, outcomes))
             thread.start()
             with pytest.raises(WeightSyncError, match=f"{expected}.*fake engine rejects"):
                 sender.send(weights)
             thread.join()
-            assert isinstance(outcomes[0], ValueError)
+            assert isinstance(outcomes[0], ValueError) and len(released) == refused
 
         outcomes = []
         thread = threading.Thread(target=_serve, args=(receiver, engine, outcomes))

@@ -92,6 +92,18 @@ def import_handle(handle: CudaIpcHandle) -> torch.Tensor:
     )
 
 
+def release_handle(handle: CudaIpcHandle) -> None:
+    """Give back the reference an exported handle holds on the trainer's memory, unmapped.
+
+    Every export counts one reference that only the receiver can drop (torch keeps the
+    trainer's block alive until then); a bucket refused without being mapped must drop it
+    here, or the trainer holds that memory until it exits.
+    """
+    torch.UntypedStorage._release_ipc_counter(
+        handle.ref_counter_handle, handle.ref_counter_offset, device=_local_device_index(handle)
+    )
+
+
 class CudaIpcSender:
     """Trainer side. One `send()` per weight update; buffers live only during a send."""
 
@@ -132,10 +144,11 @@ class CudaIpcSender:
                 # The IPC event torch records is from the buffer's first export only; a
                 # reused buffer's new bytes must be complete before the engine maps it.
                 _synchronize(device)
-                handle = export_handle(buffer)
                 if awaiting_reply:
                     self._expect_ack(num_buckets - 1)
-                self._send_request(BucketRequest(meta, handle))
+                # Export only now: each export holds a reference on our memory that only a
+                # receiver can give back, so never export a bucket that may not go out.
+                self._send_request(BucketRequest(meta, export_handle(buffer)))
                 unacknowledged[:] = [buffer]
                 del buffer
                 awaiting_reply = True
@@ -220,9 +233,13 @@ class CudaIpcReceiver:
 
         The trainer's send() returns apply's result, or raises with apply's error.
         """
+        stream = self.receive()
         try:
-            version = apply(self.receive())
+            version = apply(stream)
         except BaseException as error:
+            # Unmap the trainer's buffers now; a traceback could keep the generator (and
+            # with it torch's IPC ref counts on the trainer's memory) alive indefinitely.
+            stream.close()
             self.finish(error=f"{type(error).__name__}: {error}")
             raise
         self.finish(version=version)
@@ -244,6 +261,7 @@ class CudaIpcReceiver:
                 return
             meta, handle = request.meta, request.handle
             if meta.index != index:
+                release_handle(handle)
                 raise WeightSyncError(f"CUDA IPC: expected bucket {index}, got bucket {meta.index}")
             key = (handle.storage_handle, handle.storage_offset_bytes)
             source = import_handle(handle)
@@ -271,10 +289,16 @@ class CudaIpcReceiver:
             # The update was abandoned between buckets; the trainer's next message (a
             # bucket or the end) still needs an answer, so take it and refuse it.
             try:
-                self._socket.recv()
+                data = self._socket.recv()
             except zmq.Again:
                 return
             self._owes_reply = True
+            try:
+                request = decode_request(data)
+            except WeightSyncError:
+                request = None
+            if isinstance(request, BucketRequest):
+                release_handle(request.handle)
         self._reply(Reply(ok=error is None, version=version, error=error))
 
     def close(self) -> None:
