@@ -71,7 +71,7 @@ def derive_seed(seed: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queues look requests up with `in` / remove()
 class Req:
     rid: str
     prompt_ids: list[int]

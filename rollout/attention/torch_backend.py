@@ -69,8 +69,11 @@ class TorchAttention(AttentionBackend):
         group = self.num_heads // hkv
         if self.decode_idx is not None:
             nd = batch.num_decode
-            keys = k_buf[self.decode_idx].transpose(1, 2)  # [Bd, Hkv, L, D]
-            values = v_buf[self.decode_idx].transpose(1, 2)
+            flat = self.decode_idx.reshape(-1)
+            shape = (*self.decode_idx.shape, hkv, d)
+            # index_select, not k_buf[idx]: several times faster for this gather on CPU
+            keys = k_buf.index_select(0, flat).view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
+            values = v_buf.index_select(0, flat).view(shape).transpose(1, 2)
             qg = q[:nd].reshape(nd, hkv, group, d)  # [Bd, Hkv, G, D]
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Bd, Hkv, G, L]
             scores.masked_fill_(~self.decode_mask[:, None, None, :], float("-inf"))
@@ -85,8 +88,8 @@ class TorchAttention(AttentionBackend):
             out[rows] = o.transpose(1, 2).reshape(b * n, self.num_heads, d)
         for q_start, q_end, kv_idx, mask in self.extends:
             qs = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            keys = k_buf[kv_idx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            values = v_buf[kv_idx].transpose(0, 1).unsqueeze(0)
+            keys = k_buf.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            values = v_buf.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=group > 1)
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out

@@ -129,8 +129,8 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
-        self.k_buffers[layer_id][slots] = k.to(self.k_buffers[layer_id].dtype)
-        self.v_buffers[layer_id][slots] = v.to(self.v_buffers[layer_id].dtype)
+        self.k_buffers[layer_id].index_copy_(0, slots, k.to(self.k_buffers[layer_id].dtype))
+        self.v_buffers[layer_id].index_copy_(0, slots, v.to(self.v_buffers[layer_id].dtype))
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's KV from slots `src` to slots `dst` (forking a partial page)."""
