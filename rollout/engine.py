@@ -26,12 +26,13 @@ from rollout.model.runner import ModelRunner
 from rollout.request import Req, RolloutOutput, SamplingParams, derive_seed
 from rollout.sampling import SamplingBatch, sample
 from rollout.scheduler import ScheduledBatch, Scheduler
+from rollout.weight_updates import WeightUpdatesMixin
 
 _CPU_DEFAULT_TOKENS = 32768
 _PAUSE_MODES = ("wait", "abort", "retract")
 
 
-class Engine:
+class Engine(WeightUpdatesMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads:
@@ -336,10 +337,13 @@ class Engine:
         """
         if pause_mode not in _PAUSE_MODES:
             raise ValueError(f"pause_mode={pause_mode!r}: expected one of {_PAUSE_MODES}")
-        writes = plan_writes(self.model, named_tensors, full=full)
+        # Take the whole stream before judging it: a transport (a broadcast) must be read
+        # to the end to stay in step with the trainer, even when the update is refused.
+        writes = plan_writes(self.model, list(named_tensors), full=full)
         if pause_mode == "wait":
             while self.scheduler.has_work():
-                self._pending.extend(self.step())
+                done = self.step()  # step() hands out (and clears) _pending: rebind after it
+                self._pending.extend(done)
         elif pause_mode == "abort":
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 out = self.abort(req.rid)

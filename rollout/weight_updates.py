@@ -1,0 +1,75 @@
+"""The engine's side of live weight sync: every transport ends in Engine.update_weights.
+
+A mixin so that engine.py keeps the step loop and this file keeps the transports: a
+private torch.distributed group (NCCL on GPU, gloo on CPU) the trainer broadcasts into,
+CUDA IPC buckets from a trainer process on the same GPU, and a safetensors directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightsync.transports.group import WeightGroup
+
+
+class WeightUpdatesMixin:
+    """Needs `self.update_weights(named_tensors, full=, pause_mode=)` and `self.device`."""
+
+    _sync_group: WeightGroup | None = None
+
+    def init_weight_sync_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        *,
+        timeout_s: float = 300.0,
+        join_timeout_s: float | None = None,
+    ) -> None:
+        """Join the trainer's weight-sync group as rank `rank_offset` (the trainer is rank 0).
+        Every rank calls this with the same address; it returns once all have joined."""
+        from weightsync.transports.group import open_group
+
+        if self._sync_group is not None:
+            raise RuntimeError("a weight-sync group is already open; destroy_weight_sync_group() first")
+        device = self.device if backend == "nccl" else None  # type: ignore[attr-defined]
+        self._sync_group = open_group(master_addr, master_port, rank_offset, world_size, backend=backend,
+                                      timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device)
+
+    def update_weights_from_distributed(self, *, full: bool = True, pause_mode: str = "retract") -> int:
+        """Receive one broadcast update from the trainer (it calls BroadcastSender.send)."""
+        from weightsync.transports.broadcast import receive
+
+        if self._sync_group is None:
+            raise RuntimeError("no weight-sync group: call init_weight_sync_group() first")
+        return self.update_weights(receive(self._sync_group, device=self.device), full=full,  # type: ignore[attr-defined]
+                                   pause_mode=pause_mode)
+
+    def destroy_weight_sync_group(self) -> None:
+        from weightsync.transports.group import close_group
+
+        if self._sync_group is not None:
+            group, self._sync_group = self._sync_group, None
+            close_group(group)
+
+    def update_weights_from_ipc(self, endpoint: str, *, full: bool = True, pause_mode: str = "retract",
+                                timeout_s: float = 300.0) -> int:
+        """Serve one CUDA IPC update on `endpoint` (loopback tcp or ipc://); the trainer's
+        CudaIpcSender.send() returns the new version or raises with the engine's error."""
+        from weightsync.transports.cuda_ipc import CudaIpcReceiver
+
+        receiver = CudaIpcReceiver(endpoint, device=self.device, timeout_s=timeout_s)  # type: ignore[attr-defined]
+        try:
+            return receiver.serve_once(lambda stream: self.update_weights(stream, full=full, pause_mode=pause_mode))
+        finally:
+            receiver.close()
+
+    def update_weights_from_disk(self, path: str | Path, *, full: bool = True, pause_mode: str = "retract") -> int:
+        """Load an update from a safetensors directory (with or without an index)."""
+        from rollout.model.loader import iter_checkpoint
+
+        return self.update_weights(iter_checkpoint(path), full=full, pause_mode=pause_mode)
