@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also time transformers generate for (a) and (b)")
     parser.add_argument("--hf-output-len", type=int, default=64, help="output length of the HF peer runs")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -179,11 +180,20 @@ def main() -> None:
 
     results: list[Result] = []
     hf_peer: dict[str, float] = {}
+    if args.hf:  # first, so that the engine's KV pool can take the memory afterwards
+        for w, (batch, input_len) in (("a", (256, 512)), ("b", (1, 128))):
+            if w in args.workloads:
+                try:
+                    hf_peer[w] = hf_generate(model_dir, cfg, batch, input_len, args.hf_output_len, device)
+                    print(f"transformers generate ({w}): {hf_peer[w]:.1f} tok/s", flush=True)
+                except Exception:
+                    traceback.print_exc()
 
     def engine_for(radix: bool = True):
         return Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy",
                                    attention=args.attention, page_size=16, enable_radix_cache=radix,
-                                   max_running_requests=512, max_prefill_tokens=8192))
+                                   max_running_requests=512, max_prefill_tokens=8192,
+                                   gpu_memory_fraction=args.mem_fraction))
 
     engine = engine_for()
     print(f"engine: backend {engine.runner.backend.name}, KV capacity {engine.kv.capacity} tokens", flush=True)
@@ -206,14 +216,10 @@ def main() -> None:
                 outs, secs, _ = run_engine(engine, prompts, params)
                 record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
                        steps=engine.counters.steps - steps0)
-                if args.hf:
-                    hf_peer["a"] = hf_generate(model_dir, cfg, 256, 512, args.hf_output_len, device)
             elif w == "b":
                 params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
                 outs, secs, _ = run_engine(engine, rand_prompts(1, 128), params)
                 record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128, steps=engine.counters.steps - steps0)
-                if args.hf:
-                    hf_peer["b"] = hf_generate(model_dir, cfg, 1, 128, args.hf_output_len, device)
             elif w == "c":
                 prompts = rand_prompts(64, 1024)
                 params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)

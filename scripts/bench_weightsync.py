@@ -1,0 +1,192 @@
+"""Weight-sync benchmark: time a full update end to end (pause -> validate -> apply -> flush
+-> resume), as GB/s beside the device copy bandwidth measured in the same run.
+
+GPU (default): random bf16 weights shaped like Llama-3.1-8B; (1) in-process from a trainer
+model in the same process, (2) colocated CUDA IPC from a trainer process on the same GPU.
+CPU (--cpu): SmolLM2-135M over a gloo broadcast from a trainer process.
+
+    python -m scripts.bench_weightsync [--cpu] [--repeats 3] [--bucket-mb 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+LLAMA8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    src = torch.randn(1024**3, dtype=torch.bfloat16, device=device)  # 2 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 2 * 10 / (time.perf_counter() - start)
+
+
+def trainer_weights(model_dir: str, device: str, dtype: torch.dtype, seed: int):
+    """A trainer's model (HF class, random weights) and its (HF name, tensor) list."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    return model
+
+
+def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, result_file: str) -> None:
+    from weightsync.trainer import iter_hf_weights
+    from weightsync.transports.cuda_ipc import CudaIpcSender
+
+    model = trainer_weights(model_dir, "cuda", torch.bfloat16, seed=1)
+    sender = CudaIpcSender(endpoint, bucket_bytes=bucket_bytes)
+    times = []
+    for _ in range(repeats + 1):  # the first one pays handle opening and allocator warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        stats = sender.send(iter_hf_weights(model))
+        times.append(time.perf_counter() - start)
+    sender.close()
+    Path(result_file).write_text(json.dumps({"times": times, "bytes": stats.total_bytes, "buckets": stats.num_buckets}))
+
+
+def gpu(args) -> None:
+    from rollout import Engine, EngineConfig, SamplingParams
+    from weightsync.trainer import iter_hf_weights
+
+    device = torch.device("cuda")
+    model_dir = tempfile.mkdtemp(prefix="ws-8b-")
+    (Path(model_dir) / "config.json").write_text(json.dumps(LLAMA8B))
+    bw = copy_bandwidth(device)
+    engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy",
+                                 max_total_tokens=65536, page_size=16))
+    nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    print(f"engine ready: {nbytes / 1e9:.2f} GB of weights; device copy {bw / 1e9:.0f} GB/s "
+          f"-> copy floor {nbytes * 2 / bw * 1e3:.1f} ms (read + write once)", flush=True)
+
+    trainer = trainer_weights(model_dir, "cuda", torch.bfloat16, seed=0)
+    prompts = torch.randint(100, 100000, (32, 256)).tolist()
+    rows = []
+    in_process = []
+    for i in range(args.repeats + 1):
+        # requests in flight, so pause/resume (retract) is part of what is timed
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.update_weights(iter_hf_weights(trainer), full=True, pause_mode="retract")
+        torch.cuda.synchronize()
+        in_process.append(time.perf_counter() - start)
+        while engine.has_unfinished():
+            engine.step()
+    t = statistics.median(in_process[1:])
+    rows.append(("in-process (retract, 32 running)", t, nbytes / t))
+    del trainer
+    torch.cuda.empty_cache()
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    result_file = os.path.join(model_dir, "ipc.json")
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=ipc_trainer, args=(model_dir, endpoint, args.repeats, args.bucket_mb << 20, result_file))
+    proc.start()
+    engine_side = []
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        engine.update_weights_from_ipc(endpoint, full=True, timeout_s=600)
+        engine_side.append(time.perf_counter() - start)
+    proc.join(timeout=600)
+    res = json.loads(Path(result_file).read_text())
+    t = statistics.median(res["times"][1:])
+    rows.append((f"CUDA IPC colocated ({res['buckets']} buckets of {args.bucket_mb} MB)", t, res["bytes"] / t))
+
+    print(f"\nLlama-3.1-8B shape, bf16, {nbytes / 1e9:.2f} GB, {torch.cuda.get_device_name()}, "
+          f"device copy {bw / 1e9:.0f} GB/s, median of {args.repeats} after one warm-up")
+    print(f"{'transport':<48} | {'ms':>8} | {'GB/s':>7} | {'of copy bw':>10}")
+    for name, secs, rate in rows:
+        print(f"{name:<48} | {secs * 1e3:>8.1f} | {rate / 1e9:>7.1f} | {rate / bw:>9.1%}")
+    print(f"all times: in-process {[round(x * 1e3, 1) for x in in_process]} ms, "
+          f"ipc trainer-side {[round(x * 1e3, 1) for x in res['times']]} ms, "
+          f"ipc engine-side {[round(x * 1e3, 1) for x in engine_side]} ms")
+
+
+def gloo_trainer(model_dir: str, port: int, repeats: int, bucket_bytes: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.trainer import iter_hf_weights
+    from weightsync.transports.broadcast import BroadcastSender
+    from weightsync.transports.group import close_group, open_group
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    group = open_group("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=300)
+    sender = BroadcastSender(group, bucket_bytes=bucket_bytes)
+    for _ in range(repeats + 1):
+        sender.send(iter_hf_weights(model))
+    close_group(group)
+
+
+def cpu(args) -> None:
+    from rollout import Engine, EngineConfig
+    from scripts.fetch_model import fetch_default_model
+
+    path = str(fetch_default_model())
+    engine = Engine(EngineConfig(model=path))
+    nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=gloo_trainer, args=(path, port, args.repeats, args.bucket_mb << 20))
+    proc.start()
+    engine.init_weight_sync_group("127.0.0.1", port, 1, 2, backend="gloo", timeout_s=300)
+    times = []
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        engine.update_weights_from_distributed(full=True)
+        times.append(time.perf_counter() - start)
+    engine.destroy_weight_sync_group()
+    proc.join(timeout=300)
+    src = torch.randn(64 * 1024**2)
+    start = time.perf_counter()
+    for _ in range(5):
+        src.clone()
+    copy = 2 * src.numel() * 4 * 5 / (time.perf_counter() - start)
+    t = statistics.median(times[1:])
+    print(f"\nSmolLM2-135M fp32 ({nbytes / 1e6:.0f} MB), gloo broadcast from a trainer process, CPU, "
+          f"median of {args.repeats}: {t * 1e3:.0f} ms, {nbytes / t / 1e9:.2f} GB/s (host copy {copy / 1e9:.1f} GB/s); "
+          f"all: {[round(x * 1e3) for x in times]} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    args = parser.parse_args()
+    cpu(args) if args.cpu else gpu(args)
+
+
+if __name__ == "__main__":
+    main()
