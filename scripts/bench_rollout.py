@@ -29,14 +29,14 @@ import torch
 
 SHAPES = {
     "llama8b": dict(
-        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
     "qwen06b": dict(
-        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=True,
     ),
@@ -138,6 +138,9 @@ def hf_generate(model_dir: str, cfg: dict, batch: int, input_len: int, output_le
     hf_cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # same init as the engine's dummy weights (from_config may leave memory unset)
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     prompts = torch.randint(100, cfg["vocab_size"] - 100, (batch, input_len), device=device)
     with torch.no_grad():
         model.generate(prompts[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -158,6 +161,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"])
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--hf", action="store_true", help="also time transformers generate for (a) and (b)")
+    parser.add_argument("--hf-only", action="store_true", help="time only the transformers peers")
     parser.add_argument("--hf-output-len", type=int, default=64, help="output length of the HF peer runs")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
@@ -188,6 +192,8 @@ def main() -> None:
                     print(f"transformers generate ({w}): {hf_peer[w]:.1f} tok/s", flush=True)
                 except Exception:
                     traceback.print_exc()
+    if args.hf_only:
+        return
 
     def engine_for(radix: bool = True):
         return Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy",

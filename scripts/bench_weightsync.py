@@ -55,6 +55,11 @@ def trainer_weights(model_dir: str, device: str, dtype: torch.dtype, seed: int):
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    # from_config under a device context may leave memory uninitialized (NaN that the
+    # engine rightly refuses): fill it like a real checkpoint
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     return model
 
 
