@@ -111,11 +111,16 @@ def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tenso
 def _check_finite(writes: list[WeightWrite]) -> None:
     if not writes:
         return
-    # One host sync for the whole update, not one per tensor.
-    flags = torch.stack([w.tensor.isfinite().all().to("cpu", non_blocking=True) for w in writes])
-    if not bool(flags.all()):
-        bad = writes[int((~flags).nonzero()[0])]
-        raise ValueError(f"parameter {bad.hf_name!r} has non-finite values (NaN or Inf)")
+    # One host sync per device for the whole update, not one per tensor. (A non_blocking
+    # copy to pageable host memory may be read before it lands: reduce on the device.)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, w in enumerate(writes):
+        by_device.setdefault(w.tensor.device, []).append(i)
+    for indices in by_device.values():
+        flags = torch.stack([writes[i].tensor.isfinite().all() for i in indices]).cpu()
+        if not bool(flags.all()):
+            bad = writes[indices[int((~flags).nonzero()[0])]]
+            raise ValueError(f"parameter {bad.hf_name!r} has non-finite values (NaN or Inf)")
 
 
 @torch.no_grad()
