@@ -29,6 +29,9 @@ class EngineConfig:
     enable_radix_cache: bool = True
     schedule_policy: str = "fcfs"
     attention: str = "auto"
+    # CUDA graphs for decode-only steps, batch sizes 1..cuda_graph_max_bs (padded up a ladder)
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
     # "auto": weights from the checkpoint's safetensors; "dummy": random weights of the
     # shapes in config.json, made on the device (benchmarks of large shapes, no download).
     load_format: str = "auto"

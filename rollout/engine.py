@@ -8,6 +8,7 @@ bad request raises and leaves the requests already accepted untouched.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.weight_updates import WeightUpdatesMixin
 
 _CPU_DEFAULT_TOKENS = 32768
+log = logging.getLogger("rollout")
 _PAUSE_MODES = ("wait", "abort", "retract")
 
 
@@ -59,6 +61,13 @@ class Engine(WeightUpdatesMixin):
         self.scheduler = Scheduler(config, self.kv)
         backend = make_backend(config.attention, self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
         self.runner = ModelRunner(self.model, backend, self.req_pool.table, self.device)
+        log.info("KV cache: %d tokens (%d pages of %d) on %s", self.kv.capacity,
+                 self.kv_pool.allocator.num_pages - 1, config.page_size, self.device)
+        if self.device.type == "cuda" and config.cuda_graph and getattr(backend, "graphable", False):
+            max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
+            start = time.perf_counter()
+            self.runner.capture_decode_graphs(max_bs, min(self.context_len, self.kv.capacity))
+            log.info("captured decode CUDA graphs for batch sizes up to %d in %.1f s", max_bs, time.perf_counter() - start)
 
         self.weight_version = 0
         self.counters = Counters()

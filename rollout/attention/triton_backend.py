@@ -10,15 +10,17 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.attention.triton_kernels import decode_attention, extend_attention
+from rollout.attention.triton_kernels import decode_attention, default_num_kv_splits, extend_attention
 from rollout.model.forward_batch import ForwardBatch
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    graphable = True  # kernels read only device tensors once the split count is fixed
 
     def plan(self, batch: ForwardBatch) -> None:
         super().plan(batch)
+        self.decode_num_splits: int | None = None
         nd = batch.num_decode
         kv_split = sum(batch.seq_lens[:nd])  # CPU: no device sync
         self.decode_kv_indptr = batch.kv_indptr[: nd + 1]
@@ -28,6 +30,14 @@ class TritonAttention(AttentionBackend):
         self.extend_kv_indptr = batch.kv_indptr[nd:] - kv_split
         self.extend_kv_indices = batch.kv_indices[kv_split:]
         self.extend_max_new = max(batch.extend_lens[nd:], default=0)
+
+    def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
+        """Plan a decode-only batch for CUDA-graph capture: the split count is fixed from the
+        longest context the graph accepts, not from this batch's lengths."""
+        self.plan(batch)
+        self.decode_num_splits = default_num_kv_splits(
+            batch.batch_size, self.num_heads, self.num_kv_heads, max_context, batch.kv_indices.device
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         batch = self.batch
@@ -39,7 +49,7 @@ class TritonAttention(AttentionBackend):
         if nd:
             decode_attention(
                 q[:nd], k_buf, v_buf, self.decode_kv_indptr, self.decode_kv_indices, self.scale,
-                out=out[:nd], max_kv_len=self.decode_max_len,
+                out=out[:nd], num_kv_splits=self.decode_num_splits, max_kv_len=self.decode_max_len,
             )
         if nd < batch.batch_size:
             extend_attention(

@@ -400,3 +400,11 @@ def extend_attention(
         **extra,
     )
     return out
+
+
+def default_num_kv_splits(batch: int, num_heads: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """The split count decode_attention would pick for this shape; CUDA graphs fix it at
+    capture (from the longest context they accept) so replays never read lengths on the host."""
+    block_h = max(16, min(64, triton.next_power_of_2(num_heads // num_kv_heads)))
+    head_blocks = triton.cdiv(num_heads // num_kv_heads, block_h)
+    return _default_num_kv_splits(batch, num_kv_heads * head_blocks, max_kv_len, device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.model.cuda_graph import DecodeGraphs
 from rollout.model.forward_batch import ForwardBatch
 from rollout.model.llama import LlamaModel
 from rollout.scheduler import ScheduledBatch
@@ -21,6 +22,11 @@ class ModelRunner:
         self.backend = backend
         self.table = table  # [max_requests, max_context] int64, CPU
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_bs: int, max_context: int) -> None:
+        self.graphs = DecodeGraphs(self.model, self.backend, max_bs, max_context, self.device)
+        self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         input_ids: list[int] = []
@@ -68,6 +74,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.replay(fb)  # every decode samples: logits rows == requests
         self.backend.plan(fb)
         hidden = self.model(fb.input_ids, fb.positions, self.backend)
         return self.model.logits(hidden[fb.logits_indices])  # [R, vocab] float32

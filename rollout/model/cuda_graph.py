@@ -1,0 +1,101 @@
+"""CUDA graphs for decode steps: one graph per batch size on a ladder, captured at start-up.
+
+A decode-only step of batch b replays the graph of the smallest captured size >= b. The
+graph reads static buffers (token ids, positions, KV slots, ragged KV indices) that each
+replay overwrites; padded rows decode a dummy token at slot 0 (the reserved padding page)
+over a KV of length 1 at slot 0, so they never touch a live request's KV. Logits come out
+for every row; the caller keeps the first b.
+
+Needs an attention backend whose kernels read only device tensors at replay (`graphable`):
+the Triton backend, with a number of KV splits fixed at capture.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+from rollout.model.forward_batch import ForwardBatch
+from rollout.model.llama import LlamaModel
+
+
+def batch_size_ladder(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s < max_bs] + [max_bs]
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, backend: AttentionBackend, max_bs: int, max_context: int,
+                 device: torch.device) -> None:
+        if not getattr(backend, "graphable", False):
+            raise ValueError(f"attention backend {backend.name!r} cannot run inside a CUDA graph")
+        self.model, self.backend, self.device = model, backend, device
+        self.sizes = batch_size_ladder(max_bs)
+        self.max_bs, self.max_context = max_bs, max_context
+        kw = dict(device=device)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, **kw)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, **kw)
+        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, **kw)  # padding rows write slot 0
+        self.kv_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)
+        self.kv_indices = torch.zeros(max_bs * max_context, dtype=torch.int32, **kw)
+        self._pad_indptr = torch.arange(1, max_bs + 1, dtype=torch.int32, **kw)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
+            qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=self.device),
+            kv_indptr=self.kv_indptr[: bs + 1], kv_indices=self.kv_indices,
+            logits_indices=torch.arange(bs, device=self.device),
+            extend_lens=[1] * bs, seq_lens=[self.max_context] * bs, num_decode=bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+            fb = self._static_batch(bs)
+            self.backend.plan_capture(fb, self.max_context)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
+                    self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[bs] = self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return (
+            bool(self.graphs) and fb.num_decode == fb.batch_size <= self.max_bs
+            and max(fb.seq_lens) <= self.max_context
+        )
+
+    @torch.inference_mode()
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [b, vocab] of a decode-only batch of b requests."""
+        b = fb.batch_size
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        nnz = fb.kv_indices.numel()
+        self.input_ids[:b].copy_(fb.input_ids)
+        self.positions[:b].copy_(fb.positions)
+        self.out_cache_loc[:b].copy_(fb.out_cache_loc)
+        self.kv_indptr[: b + 1].copy_(fb.kv_indptr)
+        self.kv_indices[:nnz].copy_(fb.kv_indices)
+        if bs > b:  # padding rows: token 0 at position 0, one KV entry at slot 0
+            pad = bs - b
+            self.input_ids[b:bs].zero_()
+            self.positions[b:bs].zero_()
+            self.out_cache_loc[b:bs].zero_()
+            self.kv_indptr[b + 1 : bs + 1].copy_(self._pad_indptr[:pad] + nnz)
+            self.kv_indices[nnz : nnz + pad].zero_()
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.logits[bs][:b]
