@@ -244,8 +244,8 @@ class Engine(WeightUpdatesMixin):
 
     def _count_admissions(self, batch: ScheduledBatch) -> None:
         for req in batch.reqs:
-            if not getattr(req, "_counted", False):
-                req._counted = True  # type: ignore[attr-defined]
+            if not req.counted:
+                req.counted = True
                 self.counters.prompt_tokens += len(req.prompt_ids)
                 self.counters.cached_prompt_tokens += req.num_cached_tokens
 
@@ -264,7 +264,7 @@ class Engine(WeightUpdatesMixin):
                     continue
                 if self.kv.fork(leader, follower):
                     self.scheduler.start_running(follower)
-                    follower._counted = True  # type: ignore[attr-defined]
+                    follower.counted = True
                     self.counters.prompt_tokens += len(follower.prompt_ids)
                     self.counters.cached_prompt_tokens += follower.num_cached_tokens
                     rows.append(i)

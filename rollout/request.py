@@ -98,6 +98,7 @@ class Req:
     req_pool_idx: int | None = None
     last_node: TreeNode | None = None
     admitted_once: bool = False
+    counted: bool = False  # prompt tokens already added to the engine's counters
 
     # n > 1: siblings wait for the first sample (the leader) to prefill the prompt,
     # then fork off its KV and its last-position logits instead of recomputing them.

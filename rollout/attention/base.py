@@ -31,6 +31,17 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers."""
         self.batch = batch
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
+        batch = self.batch
+        assert batch is not None, "plan() before forward()"
+        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        out = torch.empty_like(q)
+        self.attend(q, k, v, self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id], batch, out)
+        return out
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               batch: ForwardBatch, out: torch.Tensor) -> None:
+        """Write attention of the new queries over each request's KV into `out` [T, H, D].
+        The new tokens' K/V are already stored in k_buf / v_buf ([num_slots, Hkv, D])."""

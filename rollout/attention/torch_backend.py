@@ -59,12 +59,8 @@ class TorchAttention(AttentionBackend):
             for n, starts in fresh.items()
         ]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        batch = self.batch
-        assert batch is not None
-        self.pool.store(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
-        out = torch.empty_like(q)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               batch: ForwardBatch, out: torch.Tensor) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         if self.decode_idx is not None:
@@ -92,4 +88,3 @@ class TorchAttention(AttentionBackend):
             values = v_buf.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=group > 1)
             out[q_start:q_end] = o[0].transpose(0, 1)
-        return out

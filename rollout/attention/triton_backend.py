@@ -39,12 +39,8 @@ class TritonAttention(AttentionBackend):
             batch.batch_size, self.num_heads, self.num_kv_heads, max_context, batch.kv_indices.device
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        batch = self.batch
-        assert batch is not None
-        self.pool.store(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
-        out = torch.empty_like(q)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               batch: ForwardBatch, out: torch.Tensor) -> None:
         nd = batch.num_decode
         if nd:
             decode_attention(
@@ -56,4 +52,3 @@ class TritonAttention(AttentionBackend):
                 q[nd:], k_buf, v_buf, self.extend_qo_indptr, self.extend_kv_indptr, self.extend_kv_indices, self.scale,
                 out=out[nd:], max_new_tokens=self.extend_max_new,
             )
-        return out
