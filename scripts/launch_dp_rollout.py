@@ -1,0 +1,190 @@
+"""Colocated data-parallel rollout under torchrun: one Engine per rank, prompts split
+across ranks, results gathered on rank 0 in the original order (prompt-major, then sample).
+
+    torchrun --nproc-per-node N scripts/launch_dp_rollout.py --model DIR \\
+        [--device cpu|cuda] [--backend gloo|nccl] [--prompts FILE | --num-prompts 64 --prompt-len 128] \\
+        [--samples 1] [--temperature 0] [--max-new-tokens 128] [--seed 0] [--split strided|contiguous] \\
+        [--warmup] [--output results.json]
+
+With --device cuda each rank runs on cuda:LOCAL_RANK. Throughput scaling 1 -> N GPUs: run
+the same workload with --nproc-per-node 1 and N (e.g. --model llama8b for random weights
+shaped like Llama-3.1-8B, --ignore-eos, --warmup) and compare the "aggregate tok/s" lines.
+
+Same results as one engine: every random draw is seeded per request (SamplingParams.seed,
+sample index), so a prompt's samples do not depend on which rank runs it or what else is
+batched there. With --seed -1 (engine-drawn seeds) that no longer holds.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from a clean clone
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.request import RolloutOutput
+from scripts.dist_utils import (DistContext, add_common_args, gather_bytes, gather_floats, init_distributed,
+                                maybe_die, phase, resolve_backend, resolve_model, shutdown, split_indices)
+from scripts.rollout_wire import output_to_json, pack_outputs, unpack_outputs
+
+
+@dataclass
+class DPRollout:
+    """What rank 0 gets back: every output in the original order, and per-rank timing."""
+
+    outputs: list[RolloutOutput]
+    wall_seconds: float  # from the common start to the last rank's results on rank 0
+    rank_seconds: list[float]  # each rank's own generate() time
+    rank_tokens: list[int]  # generated tokens per rank
+    rank_prompts: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.rank_tokens)
+
+
+def run_dp_rollout(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    ctx: DistContext,
+    *,
+    split: str = "strided",
+    label: str = "rollout",
+) -> DPRollout | None:
+    """Generate this rank's share of `prompts` and gather everything on rank 0.
+    Every rank must call it with the same prompts and params. Returns None off rank 0."""
+    per_prompt = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+    share = split_indices(len(prompts), ctx.rank, ctx.world_size, split)
+    with phase(ctx, f"{label}: common start"):
+        torch.distributed.barrier()  # engines load at different speeds; time the rollout only
+    start = time.perf_counter()
+    with phase(ctx, f"{label}: generate {len(share)} prompts"):
+        local = engine.generate(input_ids=[prompts[i] for i in share], sampling_params=[per_prompt[i] for i in share]) if share else []
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+    seconds = time.perf_counter() - start
+    for out in local:  # local prompt index -> global; request ids made unique across ranks
+        out.prompt_index = share[out.prompt_index]
+        out.request_id = f"rank{ctx.rank}/{out.request_id}"
+    with phase(ctx, f"{label}: gather results on rank 0"):
+        chunks = gather_bytes(pack_outputs(local), ctx, dst=0)
+        stats = gather_floats([seconds, float(sum(len(o.token_ids) for o in local)), float(len(share))], ctx)
+    if chunks is None:
+        return None
+    wall = time.perf_counter() - start
+    outputs = sorted((o for c in chunks for o in unpack_outputs(c)), key=lambda o: (o.prompt_index, o.sample_index))
+    expected = sum(p.n for p in per_prompt)
+    if len(outputs) != expected:
+        raise RuntimeError(f"{label}: gathered {len(outputs)} outputs, expected {expected}")
+    return DPRollout(outputs, wall, [s[0] for s in stats], [int(s[1]) for s in stats], [int(s[2]) for s in stats])
+
+
+def load_prompts(args: argparse.Namespace, engine: Engine) -> list[list[int]]:
+    """Token-id prompts: a JSON file (a list of token-id lists or strings, or JSONL of the
+    same), else random ids from --seed; every rank computes the same list."""
+    if args.prompts:
+        text = Path(args.prompts).read_text()
+        items = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
+        if any(isinstance(x, str) for x in items) and engine.tokenizer is None:
+            raise ValueError(f"{args.prompts}: text prompts need a tokenizer in the checkpoint dir")
+        return [engine.tokenizer.encode(x) if isinstance(x, str) else [int(t) for t in x] for x in items]
+    g = torch.Generator().manual_seed(max(args.seed, 0))
+    vocab = engine.model_config.vocab_size
+    return [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+
+
+def make_params(args: argparse.Namespace, num_prompts: int) -> list[SamplingParams]:
+    seed = None if args.seed < 0 else args.seed
+    base = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                n=args.samples, ignore_eos=args.ignore_eos, logprobs_mode=args.logprobs_mode)
+    if args.seed_per_prompt and seed is not None:
+        return [SamplingParams(**base, seed=seed + i) for i in range(num_prompts)]
+    return [SamplingParams(**base, seed=seed)] * num_prompts
+
+
+def build_engine(args: argparse.Namespace, ctx: DistContext, seed: int = 0) -> Engine:
+    model_dir, load_format = resolve_model(args.model, args.load_format)
+    return Engine(EngineConfig(model=model_dir, dtype=args.dtype, device=str(ctx.device), page_size=args.page_size,
+                               max_total_tokens=args.max_total_tokens, load_format=load_format, seed=seed,
+                               num_threads=args.num_threads))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--prompts", default=None, help="JSON list (or JSONL) of token-id lists or strings")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--samples", type=int, default=1, help="samples per prompt (n); not --n: torchrun would take that as its own abbreviation")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs-mode", choices=("processed", "raw"), default="processed")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (per request); -1: engine-drawn")
+    parser.add_argument("--seed-per-prompt", action="store_true", help="prompt i gets seed + i (else all share --seed)")
+    parser.add_argument("--split", choices=("strided", "contiguous"), default="strided")
+    parser.add_argument("--warmup", action="store_true", help="one short untimed rollout first (compiles kernels / graphs)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed rollouts; the summary reports each")
+    parser.add_argument("--output", default=None, help="rank 0 writes outputs and summary here (JSON)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    ctx = init_distributed(resolve_backend(args), args.device, args.timeout_s, lambda r: f"rollout rank {r}")
+    with phase(ctx, "build engine"):
+        engine = build_engine(args, ctx)
+        prompts = load_prompts(args, engine)
+        params = make_params(args, len(prompts))
+    if args.warmup:
+        warm = [p[:16] for p in prompts[: 2 * ctx.world_size]]
+        run_dp_rollout(engine, warm, SamplingParams(max_new_tokens=8, temperature=0), ctx, label="warmup")
+        engine.flush_cache()  # the timed run must not start with the warm-up's prefixes cached
+    maybe_die(ctx, args, step=1)
+    runs = []
+    for i in range(args.repeats):
+        if i:
+            engine.flush_cache()
+        runs.append(run_dp_rollout(engine, prompts, params, ctx, split=args.split, label=f"rollout {i + 1}"))
+    if ctx.rank == 0:
+        report(args, ctx, runs)  # type: ignore[arg-type]
+    shutdown(ctx)
+
+
+def report(args: argparse.Namespace, ctx: DistContext, runs: list[DPRollout]) -> None:
+    summaries = []
+    for i, run in enumerate(runs):
+        summary = {
+            "world_size": ctx.world_size, "backend": ctx.backend, "device": args.device, "model": args.model,
+            "prompts": len({o.prompt_index for o in run.outputs}), "samples": len(run.outputs), "tokens": run.tokens,
+            "wall_s": run.wall_seconds, "aggregate_tok_s": run.tokens / run.wall_seconds,
+            "rank_seconds": run.rank_seconds, "rank_tokens": run.rank_tokens, "rank_prompts": run.rank_prompts,
+            "per_rank_tok_s": [t / s if s else 0.0 for t, s in zip(run.rank_tokens, run.rank_seconds)],
+        }
+        summaries.append(summary)
+        slowest = max(run.rank_seconds)
+        print(f"[dp rollout {i + 1}/{len(runs)}] {ctx.world_size} ranks ({ctx.backend}, {args.device}): "
+              f"{summary['samples']} samples, {run.tokens} tokens in {run.wall_seconds:.2f} s -> "
+              f"aggregate {summary['aggregate_tok_s']:.1f} tok/s; per rank "
+              f"{[round(x, 1) for x in summary['per_rank_tok_s']]} tok/s, slowest rank {slowest:.2f} s", flush=True)
+    if args.output:
+        doc = {"summary": summaries[-1], "runs": summaries, "outputs": [output_to_json(o) for o in runs[-1].outputs]}
+        Path(args.output).write_text(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()

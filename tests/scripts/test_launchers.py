@@ -1,0 +1,204 @@
+"""The torchrun launchers on CPU with gloo and two processes, on a tiny Llama checkpoint.
+
+- data-parallel rollout: rank 0's gathered results equal one engine's generate() on the
+  same prompts, in the same order (greedy, and n=2 sampled with a seed);
+- disaggregated loop: 1 trainer + 1 engine, 2 steps: the engine goes 0 -> 1 -> 2, rollouts
+  carry the version that made them, and greedy output after each sync equals
+  transformers with the trainer's saved weights of that step;
+- failures: a rank that hangs makes its peer fail by the timeout with a report naming it;
+  a rank that leaves silently (exit code 0, which torchrun does not treat as a failure)
+  makes its peer fail at once; the broadcast benchmark mode runs.
+
+Each launch is a real `python -m torch.distributed.run` subprocess, started outside the
+repo (cwd = a temp dir, no PYTHONPATH) to check that the launchers run from a clean clone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TinyModel, make_prompts
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.request import RolloutOutput
+from scripts.dist_utils import split_indices
+from scripts.rollout_wire import pack_outputs, unpack_outputs
+
+ROOT = Path(__file__).resolve().parents[2]
+LENGTHS = [5, 9, 3, 12, 7, 4, 10]  # 7 prompts: an uneven split over 2 ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(ROOT / "scripts" / script), *args]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def _check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"launcher failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> TinyModel:
+    return TinyModel("llama", tmp_path_factory.mktemp("launch_tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tiny: TinyModel, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("launch_prompts") / "prompts.json"
+    path.write_text(json.dumps(make_prompts(tiny.vocab_size, LENGTHS, seed=40)))
+    return path
+
+
+# ---- pieces, in process ------------------------------------------------------------------
+def test_split_covers_every_prompt_once() -> None:
+    for mode in ("strided", "contiguous"):
+        for n, world in [(7, 2), (2, 3), (0, 2), (16, 4)]:
+            shares = [split_indices(n, r, world, mode) for r in range(world)]
+            assert sorted(i for s in shares for i in s) == list(range(n)), (mode, n, world)
+
+
+def test_rollout_wire_round_trip() -> None:
+    outs = [
+        RolloutOutput("a", 3, 1, [1, 2, 3], [7, 8], [-0.1234567, -2.5], "length", "hé", 2, 1, [(0, 0, 1), (1, 1, 2)],
+                      top_logprobs=[[(7, -0.1), (9, -3.0)], [(8, -2.5)]]),
+        RolloutOutput("b", 0, 0, [4], [], [], "abort", None, 0, 0, []),
+    ]
+    back = unpack_outputs(pack_outputs(outs))
+    assert back == outs
+    assert unpack_outputs(pack_outputs([])) == []
+
+
+# ---- data-parallel rollout ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("params", "split"),
+    [
+        (SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True), "contiguous"),
+        (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=6, n=2, seed=7), "strided"),
+    ],
+    ids=["greedy-contiguous", "sampled-n2-strided"],
+)
+def test_dp_rollout_equals_one_engine(tiny: TinyModel, prompts_file: Path, tmp_path: Path, params, split) -> None:
+    out_file = tmp_path / "dp.json"
+    args = ["--model", tiny.path, "--prompts", str(prompts_file), "--max-new-tokens", str(params.max_new_tokens),
+            "--temperature", str(params.temperature), "--top-p", str(params.top_p), "--samples", str(params.n),
+            "--seed", str(params.seed or 0), "--split", split, "--output", str(out_file), "--timeout-s", "60"]
+    if params.ignore_eos:
+        args.append("--ignore-eos")
+    proc, _ = torchrun("launch_dp_rollout.py", *args, cwd=tmp_path)
+    _check_ok(proc)
+    assert "aggregate" in proc.stdout and "tok/s" in proc.stdout
+    doc = json.loads(out_file.read_text())
+    got = doc["outputs"]
+    prompts = json.loads(prompts_file.read_text())
+    want = Engine(EngineConfig(model=tiny.path, page_size=16)).generate(input_ids=prompts, sampling_params=params)
+    assert [(o["prompt_index"], o["sample_index"]) for o in got] == [(o.prompt_index, o.sample_index) for o in want]
+    assert [o["token_ids"] for o in got] == [o.token_ids for o in want]
+    assert [o["finish_reason"] for o in got] == [o.finish_reason for o in want]
+    assert [o["prompt_ids"] for o in got] == [prompts[o.prompt_index] for o in want]
+    for g, w in zip(got, want):
+        assert g["logprobs"] == pytest.approx(w.logprobs, abs=1e-4)
+        assert g["weight_version"] == 0
+    summary = doc["summary"]
+    assert summary["world_size"] == 2 and summary["samples"] == len(want)
+    assert sum(summary["rank_prompts"]) == len(prompts) and min(summary["rank_prompts"]) >= 3
+    if params.n > 1:  # the n samples of a prompt differ (the seed is per sample)
+        assert any(got[i]["token_ids"] != got[i + 1]["token_ids"] for i in range(0, len(got), 2))
+
+
+# ---- disaggregated loop ------------------------------------------------------------------
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def test_disagg_two_steps_sync_the_trainers_weights(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out_file, save_dir = tmp_path / "run.json", tmp_path / "ckpt"
+    proc, _ = torchrun("launch_disagg.py", "--model", tiny.path, "--trainer-ranks", "1", "--prompts", str(prompts_file),
+                       "--steps", "2", "--samples", "2", "--max-new-tokens", "6", "--lr", "0.5", "--verify",
+                       "--probe-tokens", "6", "--save-dir", str(save_dir), "--output", str(out_file), "--timeout-s", "60",
+                       cwd=tmp_path)
+    _check_ok(proc)
+    steps = json.loads(out_file.read_text())["steps"]
+    assert [s["rollout_versions"] for s in steps] == [[0], [1]], "rollouts carry the version that made them"
+    assert [s["engine_versions_after_sync"] for s in steps] == [[1], [2]]
+    assert [s["probe_versions"] for s in steps] == [[1], [2]]
+    assert all(s["verified"] for s in steps) and all(s["sync_bytes"] > 0 for s in steps)
+    prompts = json.loads(prompts_file.read_text())
+    before = [tiny.greedy(p, 6) for p in prompts]
+    for s in steps:
+        trained = AutoModelForCausalLM.from_pretrained(save_dir / f"step_{s['step']}", dtype=torch.float32).eval()
+        assert s["probe_tokens"] == [_hf_greedy(trained, p, 6) for p in prompts], f"step {s['step']}"
+    assert steps[0]["probe_tokens"] != before, "the training step should change greedy outputs"
+    assert steps[1]["probe_tokens"] != steps[0]["probe_tokens"]
+
+
+def test_disagg_with_two_ddp_trainer_ranks(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
+    """T = 2: both trainer ranks get the rollouts, DDP keeps them identical, rank 0 alone
+    sends; --verify checks the engine against rank 0's weights after each step."""
+    out_file = tmp_path / "run.json"
+    proc, _ = torchrun("launch_disagg.py", "--model", tiny.path, "--trainer-ranks", "2", "--prompts", str(prompts_file),
+                       "--steps", "2", "--max-new-tokens", "4", "--lr", "0.5", "--verify", "--probe-tokens", "4",
+                       "--output", str(out_file), "--timeout-s", "60", nproc=3, cwd=tmp_path)
+    _check_ok(proc)
+    steps = json.loads(out_file.read_text())["steps"]
+    assert [s["engine_versions_after_sync"] for s in steps] == [[1], [2]]
+    assert all(s["verified"] for s in steps)
+
+
+# ---- failures ----------------------------------------------------------------------------
+def test_hung_engine_rank_makes_the_trainer_fail_by_the_timeout(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
+    timeout_s = 8
+    proc, elapsed = torchrun("launch_disagg.py", "--model", tiny.path, "--prompts", str(prompts_file), "--steps", "2",
+                             "--max-new-tokens", "4", "--timeout-s", str(timeout_s),
+                             "--die-at-step", "1", "--die-rank", "1", "--die-mode", "hang", cwd=tmp_path, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert elapsed < timeout_s + 40, f"took {elapsed:.0f} s"
+    assert "[rank 0 trainer 0] FAILED in 'step 1 rollouts: gather on rank 0'" in log, log[-3000:]
+    assert "rank 1 (engine 0): last at" in log, log[-3000:]
+    assert "Timed out" in log
+
+
+def test_silently_exited_rank_makes_its_peer_fail_at_once(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
+    proc, elapsed = torchrun("launch_dp_rollout.py", "--model", tiny.path, "--prompts", str(prompts_file),
+                             "--max-new-tokens", "4", "--timeout-s", "60", "--die-at-step", "1", "--die-rank", "1",
+                             "--die-mode", "exit", cwd=tmp_path, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert elapsed < 40, f"took {elapsed:.0f} s: the closed connection should be noticed before the 60 s timeout"
+    assert "[rank 0 rollout rank 0] FAILED in 'rollout 1:" in log, log[-3000:]
+    assert "rank 1 (rollout rank 1): last at 'build engine'" in log, log[-3000:]
+
+
+def test_bench_broadcast_mode_runs_on_cpu(tiny: TinyModel, tmp_path: Path) -> None:
+    out_file = tmp_path / "bench.json"
+    proc, _ = torchrun("launch_disagg.py", "--model", tiny.path, "--bench-broadcast", "--bench-repeats", "1",
+                       "--bucket-mb", "1", "--output", str(out_file), "--timeout-s", "60", cwd=tmp_path)
+    _check_ok(proc)
+    rows = json.loads(out_file.read_text())["bench_broadcast"]["rows"]
+    assert [r["name"].split(",")[0] for r in rows[:3]] == ["torch.distributed.broadcast", "weight group", "weight group"]
+    assert len(rows) == 5 and all(r["gb_s"] > 0 for r in rows)
+    assert "of torch bcast" in proc.stdout
