@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import kernels
 from rollout.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.use_fused(x):  # GPU: one Triton kernel, same op order as below
+            return kernels.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Same op order as transformers: normalize in fp32, cast back, then scale.
@@ -35,6 +38,13 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm on GPU."""
+        if kernels.use_fused(x):
+            return kernels.fused.rms_norm(x, self.weight, self.eps, residual=residual)
+        r = residual + x
+        return self(r), r
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -73,7 +83,9 @@ class Rotary(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D]
+        # q: [T, H, D], k: [T, Hkv, D] (may be strided views of the qkv projection output)
+        if kernels.use_fused(q):  # GPU: one launch for q and k, cos/sin gathered in-kernel
+            return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -130,7 +142,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if kernels.use_fused(gate_up):  # GPU: one kernel instead of silu, then mul
+            return self.down_proj(kernels.fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -143,8 +158,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), positions, rotary, backend)
+        h, x = self.post_attention_layernorm.add_norm(a, residual=x)  # x <- x + a; h = norm(x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
