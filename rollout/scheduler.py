@@ -112,7 +112,9 @@ class Scheduler:
                 continue
             if need > 1:
                 budget -= n
-            (decodes if n == 1 else extends).append((req, n))
+            # a decode is one token that completes the request's known tokens; a 1-token
+            # prefill chunk is an extend (it samples nothing)
+            (decodes if n == need == 1 else extends).append((req, n))
         if not retracted:
             # Don't admit in a step that had to retract: memory is already short.
             budget = self._admit(budget, decodes, extends)
@@ -141,7 +143,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.arrival = next(self._arrival)
             self.running.append(req)
-            if n == 1:
+            if n == 1 and req.num_computed_tokens + 1 == req.seq_len:
                 decodes.append((req, n))
             else:
                 extends.append((req, n))

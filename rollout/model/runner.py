@@ -29,6 +29,8 @@ class ModelRunner:
         self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        if batch.num_decode == len(batch.reqs) and all(r.output_ids for r in batch.reqs):
+            return self._prepare_decode(batch)
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         out_locs: list[torch.Tensor] = []
@@ -50,6 +52,30 @@ class ModelRunner:
             num_tokens += n
             if batch.produces_token(i):
                 logits_indices.append(num_tokens - 1)
+        return self._finish(
+            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), torch.cat(out_locs), torch.cat(kv_parts),
+            torch.tensor(logits_indices, dtype=torch.int64), batch, seq_lens,
+        )
+
+    def _prepare_decode(self, batch: ScheduledBatch) -> ForwardBatch:
+        """Decode-only step (the common case): one vectorized gather from the request table
+        instead of per-request slicing, so host time stays flat as the batch grows."""
+        reqs = batch.reqs
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        seq_lens = [r.seq_len for r in reqs]
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        table = self.table[rows, : max(seq_lens)]  # [B, max_len]
+        valid = torch.arange(table.shape[1])[None, :] < lens[:, None]
+        positions = lens - 1
+        return self._finish(
+            torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64), positions,
+            table.gather(1, positions[:, None])[:, 0], table[valid],
+            torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens,
+        )
+
+    def _finish(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                kv_indices: torch.Tensor, logits_indices: torch.Tensor, batch: ScheduledBatch,
+                seq_lens: list[int]) -> ForwardBatch:
         qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.tensor(batch.extend_lens, dtype=torch.int32).cumsum(0)
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
@@ -60,13 +86,13 @@ class ModelRunner:
             return t.to(dev, non_blocking=True)
 
         return ForwardBatch(
-            input_ids=to_dev(torch.tensor(input_ids, dtype=torch.int64)),
-            positions=to_dev(torch.cat(positions)),
-            out_cache_loc=to_dev(torch.cat(out_locs)),
+            input_ids=to_dev(input_ids),
+            positions=to_dev(positions),
+            out_cache_loc=to_dev(out_cache_loc),
             qo_indptr=to_dev(qo_indptr),
             kv_indptr=to_dev(kv_indptr),
-            kv_indices=to_dev(torch.cat(kv_parts)),
-            logits_indices=to_dev(torch.tensor(logits_indices, dtype=torch.int64)),
+            kv_indices=to_dev(kv_indices),
+            logits_indices=to_dev(logits_indices),
             extend_lens=list(batch.extend_lens),
             seq_lens=seq_lens,
             num_decode=batch.num_decode,
@@ -75,7 +101,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(fb):
-            return self.graphs.replay(fb)  # every decode samples: logits rows == requests
+            # a decode always samples (the scheduler's definition): logits rows == requests
+            assert fb.logits_indices.numel() == fb.batch_size
+            return self.graphs.replay(fb)
         self.backend.plan(fb)
         hidden = self.model(fb.input_ids, fb.positions, self.backend)
         return self.model.logits(hidden[fb.logits_indices])  # [R, vocab] float32
