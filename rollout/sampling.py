@@ -64,6 +64,12 @@ class SamplingBatch:
         temps = [p.temperature for p in params]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
 
+        all_greedy = all(x == 0 for x in temps)
+        max_top = max((p.top_logprobs for p in params), default=0)
+        if all_greedy:  # argmax needs none of the per-row tensors: skip their host-to-device copies
+            none = torch.empty(0, device=device)
+            return cls(none, none, none, none, none, none, none, True, False, False, max_top)
+
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -75,10 +81,10 @@ class SamplingBatch:
             seeds=t([r.seed for r in reqs], torch.int64),
             positions=t([r.seq_len for r in reqs], torch.int64),
             greedy=t([x == 0 for x in temps], torch.bool),
-            all_greedy=all(x == 0 for x in temps),
+            all_greedy=False,
             need_sort=any(p.temperature > 0 and (p.top_p < 1.0 or k < vocab_size) for p, k in zip(params, top_ks)),
             need_min_p=any(p.temperature > 0 and p.min_p > 0 for p in params),
-            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            max_top_logprobs=max_top,
         )
 
 
