@@ -1,5 +1,9 @@
 """Wire format of the CUDA IPC transport: msgpack messages, never pickle.
 
+Requests (trainer -> engine): `flat` (flat mode: the whole update in one message, a header
+and a handle per persistent buffer), `bucket` and `end` (bucketed mode). Replies carry ok,
+the engine's new version or its error.
+
 torch's own CUDA sharing (`reduce_tensor`) is built for pickle: it returns a rebuild
 function plus Python objects (tensor class, storage class, dtype). We keep only the plain
 fields (ints, bytes, a bool) and pin the rest, since a bucket is always a 1-D uint8 CUDA
@@ -11,7 +15,8 @@ This module needs no GPU; exporting and importing handles (which do) live in cud
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -106,6 +111,25 @@ class EndRequest:
     num_buckets: int
 
 
+FlatBufferHeaders = tuple[tuple[BucketMeta, CudaIpcHandle], ...]
+
+
+@dataclass(frozen=True)
+class FlatRequest:
+    """Flat mode: a whole update, as (header, handle) for each of the trainer's persistent buffers.
+
+    `buffers` travels as one opaque msgpack blob, `body`: it is the same every step while
+    the trainer keeps its buffers, so the trainer encodes it once and the engine decodes it
+    once (an 8B model's header takes milliseconds to check). `expires_at` (time.time() on
+    this host) is when the trainer stops waiting: a request read later is refused, never
+    applied behind the trainer's back.
+    """
+
+    buffers: FlatBufferHeaders
+    expires_at: float
+    body: bytes = field(default=b"", compare=False, repr=False)  # encode_flat_buffers(buffers); filled when empty
+
+
 @dataclass(frozen=True)
 class Reply:
     ok: bool
@@ -113,37 +137,110 @@ class Reply:
     error: str | None = None
 
 
-def encode_request(request: BucketRequest | EndRequest) -> bytes:
-    if isinstance(request, BucketRequest):
-        body = {"op": "bucket", "meta": request.meta.to_json(), "handle": request.handle.to_wire()}
+def encode_flat_buffers(buffers: FlatBufferHeaders) -> bytes:
+    return msgpack.packb(
+        [{"meta": meta.to_json(), "handle": handle.to_wire()} for meta, handle in buffers], use_bin_type=True
+    )
+
+
+def decode_flat_buffers(body: bytes) -> FlatBufferHeaders:
+    raw = _unpack(body, "flat request body", kind=list)
+    buffers = []
+    for position, item in enumerate(raw):
+        where = f"CUDA IPC flat request buffer {position}"
+        if not isinstance(item, dict) or set(item) != {"meta", "handle"}:
+            raise WeightSyncError(f"{where}: must be a map of 'meta' and 'handle'")
+        meta = _decode_meta(item["meta"], where)
+        if meta.index != position or meta.is_last != (position == len(raw) - 1):
+            raise WeightSyncError(
+                f"{where}: header says index {meta.index}, is_last={meta.is_last} (buffers must come in order)"
+            )
+        buffers.append((meta, _decode_handle(item["handle"], meta)))
+    handles = [handle for _, handle in buffers]
+    if len(set(handles)) != len(handles):
+        raise WeightSyncError("CUDA IPC flat request: the same handle is given for two buffers")
+    return tuple(buffers)
+
+
+def encode_request(request: BucketRequest | EndRequest | FlatRequest) -> bytes:
+    if isinstance(request, FlatRequest):
+        body = request.body or encode_flat_buffers(request.buffers)
+        message = {"op": "flat", "expires_at": request.expires_at, "buffers": body}
+    elif isinstance(request, BucketRequest):
+        message = {"op": "bucket", "meta": request.meta.to_json(), "handle": request.handle.to_wire()}
     else:
-        body = {"op": "end", "num_buckets": request.num_buckets}
-    return msgpack.packb(body, use_bin_type=True)
+        message = {"op": "end", "num_buckets": request.num_buckets}
+    return msgpack.packb(message, use_bin_type=True)
 
 
-def decode_request(data: bytes) -> BucketRequest | EndRequest:
+def decode_request(data: bytes, *, known: FlatRequest | None = None) -> BucketRequest | EndRequest | FlatRequest:
+    """Parse and check one request. A flat request whose body equals `known`'s (the last
+    one this endpoint served) reuses `known.buffers` instead of decoding them again."""
     raw = _unpack(data, "request")
     op = raw.get("op")
+    if op == "flat":
+        expires_at, body = raw.get("expires_at"), raw.get("buffers")
+        if not isinstance(expires_at, float) or not math.isfinite(expires_at):
+            raise WeightSyncError(f"CUDA IPC flat request: 'expires_at' must be a finite float, got {expires_at!r}")
+        if not isinstance(body, bytes):
+            raise WeightSyncError("CUDA IPC flat request: 'buffers' must be msgpack bytes")
+        if set(raw) != {"op", "expires_at", "buffers"}:
+            raise WeightSyncError(f"CUDA IPC flat request: unexpected fields {sorted(set(raw) - {'op', 'expires_at', 'buffers'})}")
+        buffers = known.buffers if known is not None and body == known.body else decode_flat_buffers(body)
+        return FlatRequest(buffers, expires_at, body)
     if op == "bucket":
-        meta_json = raw.get("meta")
-        if not isinstance(meta_json, bytes):
-            raise WeightSyncError("CUDA IPC bucket request: 'meta' must be JSON bytes")
-        try:
-            meta = BucketMeta.from_json(meta_json)
-        except ValueError as error:
-            raise WeightSyncError(f"CUDA IPC bucket request: {error}") from None
-        handle = CudaIpcHandle.from_wire(raw.get("handle"))
-        if handle.nbytes != meta.total_bytes:
-            raise WeightSyncError(
-                f"CUDA IPC bucket {meta.index}: handle covers {handle.nbytes} bytes, header needs {meta.total_bytes}"
-            )
-        return BucketRequest(meta, handle)
+        meta = _decode_meta(raw.get("meta"), "CUDA IPC bucket request")
+        return BucketRequest(meta, _decode_handle(raw.get("handle"), meta))
     if op == "end":
         num_buckets = raw.get("num_buckets")
         if not isinstance(num_buckets, int) or isinstance(num_buckets, bool) or num_buckets < 0:
             raise WeightSyncError(f"CUDA IPC end request: 'num_buckets' must be an int >= 0, got {num_buckets!r}")
         return EndRequest(num_buckets)
-    raise WeightSyncError(f"CUDA IPC request: unknown op {op!r} (expected 'bucket' or 'end')")
+    raise WeightSyncError(f"CUDA IPC request: unknown op {op!r} (expected 'flat', 'bucket' or 'end')")
+
+
+def handles_in(data: bytes) -> list[CudaIpcHandle]:
+    """Best effort: the well-formed handles in a request that failed to decode.
+
+    Each exported handle holds a reference on the trainer's memory that only the receiver
+    can give back, so a refused request must give back whatever handles it carried.
+    """
+    try:
+        raw = _unpack(data, "request")
+        if raw.get("op") == "bucket":
+            candidates = [raw.get("handle")]
+        elif raw.get("op") == "flat" and isinstance(raw.get("buffers"), bytes):
+            items = _unpack(raw["buffers"], "flat request body", kind=list)
+            candidates = [item.get("handle") for item in items if isinstance(item, dict)]
+        else:
+            return []
+    except WeightSyncError:
+        return []
+    handles = []
+    for candidate in candidates:
+        try:
+            handles.append(CudaIpcHandle.from_wire(candidate))
+        except (WeightSyncError, TypeError):
+            continue
+    return handles
+
+
+def _decode_meta(meta_json: object, where: str) -> BucketMeta:
+    if not isinstance(meta_json, bytes):
+        raise WeightSyncError(f"{where}: 'meta' must be JSON bytes")
+    try:
+        return BucketMeta.from_json(meta_json)
+    except ValueError as error:
+        raise WeightSyncError(f"{where}: {error}") from None
+
+
+def _decode_handle(raw: object, meta: BucketMeta) -> CudaIpcHandle:
+    handle = CudaIpcHandle.from_wire(raw)
+    if handle.nbytes != meta.total_bytes:
+        raise WeightSyncError(
+            f"CUDA IPC bucket {meta.index}: handle covers {handle.nbytes} bytes, header needs {meta.total_bytes}"
+        )
+    return handle
 
 
 def encode_reply(reply: Reply) -> bytes:
@@ -162,15 +259,15 @@ def decode_reply(data: bytes) -> Reply:
     return Reply(ok, version, error)
 
 
-def _unpack(data: bytes, what: str) -> dict[str, Any]:
+def _unpack(data: bytes, what: str, kind: type = dict) -> Any:
     if len(data) > MAX_MESSAGE_BYTES:
         raise WeightSyncError(f"CUDA IPC {what} of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
     except Exception as error:  # msgpack raises several unrelated types for bad input
         raise WeightSyncError(f"CUDA IPC {what} is not valid msgpack: {error}") from None
-    if not isinstance(raw, dict):
-        raise WeightSyncError(f"CUDA IPC {what} must be a map, got {type(raw).__name__}")
+    if not isinstance(raw, kind):
+        raise WeightSyncError(f"CUDA IPC {what} must be a {'map' if kind is dict else 'list'}, got {type(raw).__name__}")
     return raw
 
 
