@@ -63,12 +63,12 @@ def trainer_weights(model_dir: str, device: str, dtype: torch.dtype, seed: int):
     return model
 
 
-def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, result_file: str) -> None:
+def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, result_file: str, flat: bool) -> None:
     from weightsync.trainer import iter_hf_weights
     from weightsync.transports.cuda_ipc import CudaIpcSender
 
     model = trainer_weights(model_dir, "cuda", torch.bfloat16, seed=1)
-    sender = CudaIpcSender(endpoint, bucket_bytes=bucket_bytes)
+    sender = CudaIpcSender(endpoint, bucket_bytes=bucket_bytes, flat=flat)
     times = []
     for _ in range(repeats + 1):  # the first one pays handle opening and allocator warm-up
         torch.cuda.synchronize()
@@ -118,7 +118,9 @@ def gpu(args) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     result_file = os.path.join(model_dir, "ipc.json")
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=ipc_trainer, args=(model_dir, endpoint, args.repeats, args.bucket_mb << 20, result_file))
+    flat = args.ipc_mode == "flat"
+    proc = ctx.Process(target=ipc_trainer,
+                       args=(model_dir, endpoint, args.repeats, args.bucket_mb << 20, result_file, flat))
     proc.start()
     engine_side = []
     for _ in range(args.repeats + 1):
@@ -128,7 +130,8 @@ def gpu(args) -> None:
     proc.join(timeout=600)
     res = json.loads(Path(result_file).read_text())
     t = statistics.median(res["times"][1:])
-    rows.append((f"CUDA IPC colocated ({res['buckets']} buckets of {args.bucket_mb} MB)", t, res["bytes"] / t))
+    mode = "flat buffer, one handle" if flat else f"{res['buckets']} buckets of {args.bucket_mb} MB"
+    rows.append((f"CUDA IPC colocated ({mode})", t, res["bytes"] / t))
 
     print(f"\nLlama-3.1-8B shape, bf16, {nbytes / 1e9:.2f} GB, {torch.cuda.get_device_name()}, "
           f"device copy {bw / 1e9:.0f} GB/s, median of {args.repeats} after one warm-up")
@@ -189,6 +192,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--ipc-mode", choices=["flat", "bucketed"], default="flat")
     args = parser.parse_args()
     cpu(args) if args.cpu else gpu(args)
 
