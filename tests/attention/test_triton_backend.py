@@ -20,7 +20,9 @@ from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 def test_triton_backend_matches_transformers(llama: TinyModel, page_size: int) -> None:
     prompts = make_prompts(llama.vocab_size, [3, 17, 9], seed=12)
     prompts.append(prompts[1] + [5, 6, 7])  # hits the cache of prompt 1 (extend over a prefix)
-    engine = Engine(EngineConfig(model=llama.path, attention="triton", page_size=page_size, max_running_requests=3))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on CPU
+    engine = Engine(EngineConfig(model=llama.path, attention="triton", page_size=page_size, max_running_requests=3,
+                                 device=device, cuda_graph=False))
     assert engine.runner.backend.name == "triton"
     outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == [llama.greedy(p, 6) for p in prompts]

@@ -18,6 +18,8 @@ from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.model.cuda_graph import DecodeGraphs, batch_size_ladder  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+# Triton runs compiled on a GPU and interpreted on CPU; either way the engine sits where it runs.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class _EagerGraph:
@@ -56,7 +58,7 @@ def test_graph_replay_logic_matches_transformers(llama: TinyModel, page_size: in
     # 4 requests finishing one after another: decode batches of 4, 3 (padded to 4), 2, 1
     prompts = make_prompts(llama.vocab_size, [3, 11, 6, 9], seed=30)
     lengths = [9, 3, 6, 12]
-    engine = Engine(EngineConfig(model=llama.path, attention="triton", page_size=page_size))
+    engine = Engine(EngineConfig(model=llama.path, attention="triton", page_size=page_size, device=DEVICE, cuda_graph=False))
     engine.runner.graphs = EagerDecodeGraphs(engine.model, engine.runner.backend, max_bs=4, max_context=64,
                                              device=engine.device)
     engine.runner.graphs.capture()
