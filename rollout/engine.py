@@ -80,7 +80,10 @@ class Engine(WeightUpdatesMixin):
         cfg = self.model_config
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.torch_dtype)
         if self.device.type == "cuda":
+            # Count blocks torch's caching allocator holds but does not use (an earlier
+            # engine's KV, say) as free: the driver reports them as taken.
             free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             return max(1024, int(free * self.config.gpu_memory_fraction) // per_token)
         return _CPU_DEFAULT_TOKENS
 
