@@ -202,3 +202,18 @@ def test_gloo_broadcast_from_a_trainer_process_during_generation(llama: TinyMode
         assert out.token_ids[3:] == hf_greedy(reference, prompt + out.token_ids[:3], 6)
     fresh = make_prompts(llama.vocab_size, [8], seed=27)[0]
     assert engine.generate(input_ids=[fresh], sampling_params=GREEDY)[0].token_ids == hf_greedy(reference, fresh)
+
+
+def test_tied_lm_head_is_accepted(tmp_path: Path) -> None:
+    """A tied model: the update may carry lm_head.weight too (as an unwrapped state dict
+    does); it lands on the shared embedding, and a full update without it is complete."""
+    tied = TinyModel("qwen2", tmp_path / "tied")
+    assert tied.hf.config.tie_word_embeddings
+    engine = Engine(EngineConfig(model=tied.path))
+    trainer = copy.deepcopy(tied.hf)
+    train_step(trainer)
+    named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]
+    assert engine.update_weights(named + [("lm_head.weight", trainer.lm_head.weight.detach().clone())], full=True) == 1
+    assert engine.update_weights(iter_hf_weights(trainer, skip_tied=True), full=True) == 2
+    prompt = make_prompts(tied.vocab_size, [7], seed=28)[0]
+    assert engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0].token_ids == hf_greedy(trainer, prompt)
