@@ -280,14 +280,23 @@ class Engine(WeightUpdatesMixin):
             return []
         sb = SamplingBatch.from_reqs(reqs, self.model_config.vocab_size, logits.device)
         res = sample(logits, sb)
-        # The step's one host sync: everything the CPU needs, in one transfer.
-        tokens = res.token_ids.tolist()
-        raw = res.raw_logprobs.tolist()
-        processed = res.processed_logprobs.tolist()
-        tops = {}
+        # The step's one host sync: everything the CPU needs, packed into one float64
+        # tensor (token ids < 2**53 are exact) and copied in one transfer.
+        columns = [res.token_ids, res.raw_logprobs, res.processed_logprobs]
+        k = 0
         if res.top_raw is not None:
-            tops["raw"] = (res.top_raw[0].tolist(), res.top_raw[1].tolist())
-            tops["processed"] = (res.top_processed[0].tolist(), res.top_processed[1].tolist())  # type: ignore[index]
+            k = res.top_raw[0].shape[1]
+            columns += [*res.top_raw, *res.top_processed]  # type: ignore[misc]
+        packed = torch.cat([c.double().reshape(len(reqs), -1) for c in columns], dim=1).tolist()
+        tokens = [int(row[0]) for row in packed]
+        raw = [row[1] for row in packed]
+        processed = [row[2] for row in packed]
+        tops = {}
+        if k:
+            # per row: raw values, raw ids, processed values, processed ids (k each)
+            tops["raw"] = ([r[3 : 3 + k] for r in packed], [[int(t) for t in r[3 + k : 3 + 2 * k]] for r in packed])
+            tops["processed"] = ([r[3 + 2 * k : 3 + 3 * k] for r in packed],
+                                 [[int(t) for t in r[3 + 3 * k : 3 + 4 * k]] for r in packed])
         finished = []
         for i, req in enumerate(reqs):
             mode = req.params.logprobs_mode
