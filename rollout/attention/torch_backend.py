@@ -2,8 +2,9 @@
 against, and the CPU engine's fast path.
 
 Three shapes of work, each batched where it can be:
-- decodes (one new token): their KV slots are gathered into a padded `[B, max_len]` index
-  matrix once per step; each layer does one masked batched matmul over KV groups;
+- decodes (one new token): with few distinct KV lengths, one unmasked SDPA per length;
+  otherwise their KV slots are gathered into a padded `[B, max_len]` index matrix once per
+  step and each layer does one masked batched matmul over KV groups;
 - fresh prefills (no cached prefix): the new tokens' own K/V are all there is to attend
   to, so no gather at all; prompts of equal length run as one causal SDPA call;
 - extends over a cached prefix (chunks, cache hits, resumes): one request at a time with
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from rollout.attention.base import AttentionBackend
 from rollout.model.forward_batch import ForwardBatch
 
+_MAX_LENGTH_GROUPS = 4  # above this many distinct decode lengths, one masked batched pass wins
+
 
 class TorchAttention(AttentionBackend):
     name = "torch"
@@ -29,7 +32,19 @@ class TorchAttention(AttentionBackend):
         device = batch.kv_indices.device
         nd = batch.num_decode
         self.decode_idx = self.decode_mask = None
-        if nd:
+        self.decode_groups: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        if nd and len(set(batch.seq_lens[:nd])) <= _MAX_LENGTH_GROUPS:
+            # Few distinct lengths (n samples of a prompt decode in lockstep): one unmasked
+            # SDPA per length, several times faster on CPU than the masked matmuls below.
+            by_len: dict[int, list[int]] = defaultdict(list)
+            for i, n in enumerate(batch.seq_lens[:nd]):
+                by_len[n].append(i)
+            starts = batch.kv_indptr[:nd].long()
+            for n, rows in by_len.items():
+                row_t = torch.tensor(rows, device=device)
+                idx = (starts[row_t][:, None] + torch.arange(n, device=device)).reshape(-1)
+                self.decode_groups.append((row_t, n, batch.kv_indices[idx]))
+        elif nd:
             lens = torch.tensor(batch.seq_lens[:nd], device=device)
             max_len = int(max(batch.seq_lens[:nd]))
             starts = batch.kv_indptr[:nd].long()
@@ -63,6 +78,14 @@ class TorchAttention(AttentionBackend):
                batch: ForwardBatch, out: torch.Tensor) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
+        for rows, n, kv_idx in self.decode_groups:
+            b = rows.numel()
+            keys = k_buf.index_select(0, kv_idx).view(b, n, hkv, d).transpose(1, 2)  # [b, Hkv, n, D]
+            values = v_buf.index_select(0, kv_idx).view(b, n, hkv, d).transpose(1, 2)
+            # the G query heads sharing a KV head attend as G query rows: no GQA expansion
+            qg = q.index_select(0, rows).view(b, hkv, group, d)  # [b, Hkv, G, D]
+            o = F.scaled_dot_product_attention(qg, keys, values, scale=self.scale)
+            out.index_copy_(0, rows, o.reshape(b, self.num_heads, d))
         if self.decode_idx is not None:
             nd = batch.num_decode
             flat = self.decode_idx.reshape(-1)
