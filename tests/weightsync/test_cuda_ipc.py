@@ -27,7 +27,7 @@ import zmq
 from _weightsync_helpers import FakeEngine, assert_same_tensors, free_port
 
 from weightsync.bucket import BucketMeta, pack_buckets
-from weightsync.transports import WeightSyncError, cuda_ipc
+from weightsync.transports import WeightSyncError, cuda_ipc_handles, cuda_ipc_receiver
 from weightsync.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender, release_ipc_endpoint
 from weightsync.transports.flat_buffer import pack_flat, plan_flat
 from weightsync.transports.ipc_wire import (
@@ -323,10 +323,10 @@ class FakeIpc:
 def cpu_ipc(monkeypatch):
     """Make export/import/release a FakeIpc and let 'CUDA' be the CPU."""
     fake = FakeIpc()
-    monkeypatch.setattr(cuda_ipc, "export_handle", fake.export)
-    monkeypatch.setattr(cuda_ipc, "import_handle", fake.import_)
-    monkeypatch.setattr(cuda_ipc, "release_handle", fake.release)
-    monkeypatch.setattr(cuda_ipc, "_resolve_cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(cuda_ipc_handles, "export_handle", fake.export)
+    monkeypatch.setattr(cuda_ipc_handles, "import_handle", fake.import_)
+    monkeypatch.setattr(cuda_ipc_handles, "release_handle", fake.release)
+    monkeypatch.setattr(cuda_ipc_handles, "resolve_cuda_device", lambda device: torch.device("cpu"))
     yield fake
     release_ipc_endpoint()
     assert fake.errors == []
@@ -492,17 +492,17 @@ def test_flat_engine_rejection_propagates(cpu_ipc, monkeypatch):
         def wrong_gpu(handle, device):
             raise WeightSyncError("the trainer's buffer is on another GPU")
 
-        monkeypatch.setattr(cuda_ipc, "_check_flat_device", wrong_gpu)
+        monkeypatch.setattr(cuda_ipc_handles, "check_flat_device", wrong_gpu)
         thread, outcomes = _serving(receiver, FakeEngine())
         with pytest.raises(WeightSyncError, match="rejected the weight update: WeightSyncError: .*another GPU"):
             sender.send(weights)
         thread.join()
         assert len(fake.released) == 1
         monkeypatch.undo()
-        monkeypatch.setattr(cuda_ipc, "export_handle", fake.export)
-        monkeypatch.setattr(cuda_ipc, "import_handle", fake.import_)
-        monkeypatch.setattr(cuda_ipc, "release_handle", fake.release)
-        monkeypatch.setattr(cuda_ipc, "_resolve_cuda_device", lambda device: torch.device("cpu"))
+        monkeypatch.setattr(cuda_ipc_handles, "export_handle", fake.export)
+        monkeypatch.setattr(cuda_ipc_handles, "import_handle", fake.import_)
+        monkeypatch.setattr(cuda_ipc_handles, "release_handle", fake.release)
+        monkeypatch.setattr(cuda_ipc_handles, "resolve_cuda_device", lambda device: torch.device("cpu"))
 
         engine = FakeEngine()
         thread, outcomes = _serving(receiver, engine)
@@ -807,7 +807,7 @@ def _child_keeps_a_mapping(marker: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mapped = torch.frombuffer(raw, dtype=torch.uint8)
-    cuda_ipc._flat_mappings["ipc:///nowhere"] = cuda_ipc._FlatMappings(mapped={_handle(): mapped})
+    cuda_ipc_receiver._flat_mappings["ipc:///nowhere"] = cuda_ipc_receiver._FlatMappings(mapped={_handle(): mapped})
 
 
 def test_engine_child_unmaps_at_exit(tmp_path):
@@ -827,8 +827,8 @@ def _engine_main(endpoint: str, out_dir: str) -> None:
     from weightsync.transports import save_safetensors_dir
 
     imports: list[int] = []
-    import_handle = cuda_ipc.import_handle
-    cuda_ipc.import_handle = lambda handle: imports.append(handle.nbytes) or import_handle(handle)
+    import_handle = cuda_ipc_handles.import_handle
+    cuda_ipc_handles.import_handle = lambda handle: imports.append(handle.nbytes) or import_handle(handle)
     receiver = CudaIpcReceiver(endpoint, device="cuda:0", timeout_s=60)
     engine = FakeEngine()
     results = []
@@ -883,8 +883,10 @@ def test_cuda_ipc_between_processes(tmp_path, monkeypatch):
                 change(parameter)
 
     exports: list[int] = []
-    export_handle = cuda_ipc.export_handle
-    monkeypatch.setattr(cuda_ipc, "export_handle", lambda buffer: exports.append(buffer.numel()) or export_handle(buffer))
+    export_handle = cuda_ipc_handles.export_handle
+    monkeypatch.setattr(
+        cuda_ipc_handles, "export_handle", lambda buffer: exports.append(buffer.numel()) or export_handle(buffer)
+    )
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     expected = {}

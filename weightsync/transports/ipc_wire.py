@@ -10,7 +10,7 @@ fields (ints, bytes, a bool) and pin the rest, since a bucket is always a 1-D ui
 tensor. A peer therefore cannot make us call anything: the receiver validates every field
 and always rebuilds with the same function and classes.
 
-This module needs no GPU; exporting and importing handles (which do) live in cuda_ipc.py.
+This module needs no GPU; exporting and importing handles (which do) live in cuda_ipc_handles.py.
 """
 
 from __future__ import annotations
