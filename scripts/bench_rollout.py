@@ -35,6 +35,12 @@ SHAPES = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    # for smoke runs of the scripts on CPU
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
+    ),
     "qwen06b": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,

@@ -1,0 +1,93 @@
+"""Where a decode step's time goes, on the GPU: host phases and the top kernels.
+
+Fills the engine to a steady decode state (random bf16 weights of a benchmark shape), then
+times N steps split into host phases (schedule, prepare, forward, sample + bookkeeping) and
+profiles them with torch.profiler, printing the kernels by total device time. Meant as the
+first command of a GPU session chasing the roofline gap in BENCHMARKS.md.
+
+    python -m scripts.profile_step [--shape llama8b] [--batch 256] [--input-len 512] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama8b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--no-graph", action="store_true", help="profile eager decode instead of CUDA graphs")
+    parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
+    args = parser.parse_args()
+
+    from rollout import Engine, EngineConfig, SamplingParams
+    from scripts.bench_rollout import SHAPES
+
+    model_dir = tempfile.mkdtemp(prefix=f"profile-{args.shape}-")
+    (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device, load_format="dummy",
+                                 page_size=16, max_running_requests=max(args.batch, 1), gpu_memory_fraction=0.6,
+                                 cuda_graph=not args.no_graph, cuda_graph_max_bs=max(args.batch, 1)))
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts = torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
+        engine.step()  # prefill until every request decodes
+    for _ in range(3):
+        engine.step()  # warm the decode path
+
+    phases = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample+bookkeeping": 0.0}
+    runner, scheduler = engine.runner, engine.scheduler
+    orig_schedule, orig_prepare, orig_forward = scheduler.schedule, runner.prepare, runner.forward
+
+    sync_device = sync
+
+    def timed(name, fn, sync=False):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            if sync:
+                sync_device()
+            phases[name] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    scheduler.schedule = timed("schedule", orig_schedule)
+    runner.prepare = timed("prepare", orig_prepare)
+    runner.forward = timed("forward", orig_forward, sync=True)
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    total = time.perf_counter() - start
+    phases["sample+bookkeeping"] = total - sum(v for k, v in phases.items() if k != "sample+bookkeeping")
+    print(f"\n{args.shape} {engine.config.dtype}, batch {args.batch}, context ~{args.input_len}, graphs {engine.runner.graphs is not None}: "
+          f"{1e3 * total / args.steps:.2f} ms per decode step")
+    for name, secs in phases.items():
+        print(f"  {name:<20} {1e3 * secs / args.steps:8.2f} ms")
+
+    scheduler.schedule, runner.prepare, runner.forward = orig_schedule, orig_prepare, orig_forward
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()
