@@ -32,6 +32,9 @@ class EngineConfig:
     # CUDA graphs for decode-only steps, batch sizes 1..cuda_graph_max_bs (padded up a ladder)
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
+    # Schedule and launch step t+1 before reading step t's tokens back (the host work of one
+    # step hides behind the device work of the next). Off by default until measured on a GPU.
+    overlap_schedule: bool = False
     # "auto": weights from the checkpoint's safetensors; "dummy": random weights of the
     # shapes in config.json, made on the device (benchmarks of large shapes, no download).
     load_format: str = "auto"

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,17 @@ from rollout.request import Req, RolloutOutput, SamplingParams, derive_seed
 from rollout.sampling import SamplingBatch, sample
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.weight_updates import WeightUpdatesMixin
+
+@dataclass
+class _Launched:
+    """A step whose sampled tokens are still on the device (or just copied back)."""
+
+    reqs: list[Req]
+    packed: torch.Tensor | None  # [len(reqs), 3 + 4k] float64: token, raw lp, processed lp, top-k
+    event: torch.cuda.Event | None  # set when the copy to pinned host memory is done
+    top_k: int
+    version: int  # weight version that produced these tokens
+
 
 _CPU_DEFAULT_TOKENS = 32768
 log = logging.getLogger("rollout")
@@ -73,6 +85,7 @@ class Engine(WeightUpdatesMixin):
         self.counters = Counters()
         self._ids = itertools.count()
         self._pending: list[RolloutOutput] = []  # finished outputs not yet handed out
+        self._inflight: _Launched | None = None  # overlap scheduling: the step not yet read back
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # ---- set-up helpers ---------------------------------------------------------------
@@ -219,16 +232,31 @@ class Engine(WeightUpdatesMixin):
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- the step loop ----------------------------------------------------------------
     def step(self) -> list[RolloutOutput]:
-        """Run one scheduler -> model -> sampler step; returns the requests that finished."""
+        """Run one scheduler -> model -> sampler step; returns the requests that finished.
+
+        With overlap scheduling, a step launches its batch and then reads the previous
+        step's tokens back while the device works: outputs arrive one step later."""
         t0 = time.perf_counter()
         finished, self._pending = self._pending, []
         batch = self.scheduler.schedule()
-        if batch is None:
-            return finished
+        launched = self._launch(batch) if batch is not None else None
+        if self.config.overlap_schedule:
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                finished.extend(self._read_back(previous))
+        elif launched is not None:
+            finished.extend(self._read_back(launched))
+        if batch is not None:
+            self.counters.steps += 1
+        self.counters.forward_seconds += time.perf_counter() - t0
+        return finished
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        """Forward and sample one batch; the results stay on the device until read back."""
         self.counters.retractions += len(batch.retracted)
         self._count_admissions(batch)
         fb = self.runner.prepare(batch)
@@ -240,10 +268,64 @@ class Engine(WeightUpdatesMixin):
         rows, samplers = self._fork_followers(samplers)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        finished.extend(self._sample_and_append(logits, samplers))
-        self.counters.steps += 1
-        self.counters.forward_seconds += time.perf_counter() - t0
+        if not samplers:
+            return _Launched([], None, None, 0, self.weight_version)
+        res = sample(logits, SamplingBatch.from_reqs(samplers, self.model_config.vocab_size, logits.device))
+        self.runner.record_tokens([r.req_pool_idx for r in samplers], res.token_ids)
+        for req in samplers:
+            req.num_inflight += 1
+        # Everything the host needs, packed into one float64 tensor (token ids < 2**53 are
+        # exact) for one transfer: the step's one host sync happens when it is read back.
+        columns = [res.token_ids, res.raw_logprobs, res.processed_logprobs]
+        k = 0
+        if res.top_raw is not None:
+            k = res.top_raw[0].shape[1]
+            columns += [*res.top_raw, *res.top_processed]  # type: ignore[misc]
+        packed = torch.cat([c.double().reshape(len(samplers), -1) for c in columns], dim=1)
+        event = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            packed = host
+        return _Launched(samplers, packed, event, k, self.weight_version)
+
+    def _read_back(self, launched: _Launched) -> list[RolloutOutput]:
+        """Append a launched step's tokens (waiting for them if need be) and finish requests."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        if not launched.reqs:
+            return []
+        packed = launched.packed.tolist()
+        k = launched.top_k
+        finished = []
+        for row, req in zip(packed, launched.reqs):
+            req.num_inflight -= 1
+            if req.finished:
+                continue  # finished or aborted while this token was in flight: dropped
+            mode = req.params.logprobs_mode
+            lp = row[1] if mode == "raw" else row[2]
+            top = None
+            if req.params.top_logprobs:
+                # per row: raw values, raw ids, processed values, processed ids (k each)
+                base = 3 if mode == "raw" else 3 + 2 * k
+                vals, ids = row[base : base + k], row[base + k : base + 2 * k]
+                top = [(int(t), v) for t, v in zip(ids, vals)][: req.params.top_logprobs]
+            token = int(row[0])
+            req.append_token(token, lp, top, launched.version)
+            self.counters.generated_tokens += 1
+            if self._check_finish(req, token):
+                self.scheduler.remove(req)
+                self.counters.finished_requests += 1
+                finished.append(self._output(req))
         return finished
+
+    def _drain(self) -> None:
+        """Read back the step in flight (before anything that must see every token)."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            self._pending.extend(self._read_back(launched))
 
     def _count_admissions(self, batch: ScheduledBatch) -> None:
         for req in batch.reqs:
@@ -275,50 +357,11 @@ class Engine(WeightUpdatesMixin):
             leader.followers = []
         return rows, out
 
-    def _sample_and_append(self, logits: torch.Tensor, reqs: list[Req]) -> list[RolloutOutput]:
-        if not reqs:
-            return []
-        sb = SamplingBatch.from_reqs(reqs, self.model_config.vocab_size, logits.device)
-        res = sample(logits, sb)
-        # The step's one host sync: everything the CPU needs, packed into one float64
-        # tensor (token ids < 2**53 are exact) and copied in one transfer.
-        columns = [res.token_ids, res.raw_logprobs, res.processed_logprobs]
-        k = 0
-        if res.top_raw is not None:
-            k = res.top_raw[0].shape[1]
-            columns += [*res.top_raw, *res.top_processed]  # type: ignore[misc]
-        packed = torch.cat([c.double().reshape(len(reqs), -1) for c in columns], dim=1).tolist()
-        tokens = [int(row[0]) for row in packed]
-        raw = [row[1] for row in packed]
-        processed = [row[2] for row in packed]
-        tops = {}
-        if k:
-            # per row: raw values, raw ids, processed values, processed ids (k each)
-            tops["raw"] = ([r[3 : 3 + k] for r in packed], [[int(t) for t in r[3 + k : 3 + 2 * k]] for r in packed])
-            tops["processed"] = ([r[3 + 2 * k : 3 + 3 * k] for r in packed],
-                                 [[int(t) for t in r[3 + 3 * k : 3 + 4 * k]] for r in packed])
-        finished = []
-        for i, req in enumerate(reqs):
-            mode = req.params.logprobs_mode
-            lp = raw[i] if mode == "raw" else processed[i]
-            top = None
-            if req.params.top_logprobs:
-                vals, ids = tops[mode]
-                k = req.params.top_logprobs
-                top = list(zip(ids[i][:k], vals[i][:k]))
-            req.append_token(tokens[i], lp, top, self.weight_version)
-            self.counters.generated_tokens += 1
-            if self._check_finish(req, tokens[i]):
-                self.scheduler.remove(req)
-                self.counters.finished_requests += 1
-                finished.append(self._output(req))
-        return finished
-
     def _check_finish(self, req: Req, token: int) -> bool:
         p = req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             req.finish_reason = "stop"
-        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
+        elif len(req.output_ids) >= p.max_new_tokens or req.known_len >= self.context_len:
             req.finish_reason = "length"
         elif p.stop and self._stop_string_hit(req):
             req.finish_reason = "stop"
@@ -361,8 +404,9 @@ class Engine(WeightUpdatesMixin):
         # Take the whole stream before judging it: a transport (a broadcast) must be read
         # to the end to stay in step with the trainer, even when the update is refused.
         writes = plan_writes(self.model, list(named_tensors), full=full)
+        self._drain()
         if pause_mode == "wait":
-            while self.scheduler.has_work():
+            while self.has_unfinished():
                 done = self.step()  # step() hands out (and clears) _pending: rebind after it
                 self._pending.extend(done)
         elif pause_mode == "abort":

@@ -95,6 +95,9 @@ class Req:
     num_prefix_tokens: int = 0  # leading slots owned by the radix tree (locked via last_node)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_allocated_slots: int = 0
+    # Overlap scheduling: tokens sampled on the device whose values the host reads one step
+    # later; the scheduler counts them (seq_len) and the runner feeds them from the device.
+    num_inflight: int = 0
     req_pool_idx: int | None = None
     last_node: TreeNode | None = None
     admitted_once: bool = False
@@ -111,6 +114,11 @@ class Req:
 
     @property
     def seq_len(self) -> int:
+        """Tokens in the sequence, counting sampled tokens the host has not read yet."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def known_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property

@@ -98,6 +98,8 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running:  # retracted earlier in this loop
                 continue
+            if req.num_inflight and len(req.output_ids) + req.num_inflight >= req.params.max_new_tokens:
+                continue  # its last token is already in flight: nothing more to compute
             need = req.seq_len - req.num_computed_tokens
             n = 1 if need == 1 else min(need, budget)
             if n <= 0:
@@ -135,8 +137,8 @@ class Scheduler:
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if req.leader is not None:
-                continue  # waits for its leader's prompt, then forks it
+            if req.leader is not None or req.num_inflight:
+                continue  # waits for its leader's prompt (then forks it) / for its last token
             n = self.kv.admit(req, budget, reserve)
             if n is None:
                 break

@@ -29,8 +29,9 @@ def _workload(rng: random.Random, vocab: int) -> list[tuple[list[int], SamplingP
     return items
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, seed: int) -> None:
+def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, seed: int, overlap: bool) -> None:
     rng = random.Random(seed)
     items = _workload(rng, llama.vocab_size)
     page_size = rng.choice([1, 16])
@@ -40,7 +41,7 @@ def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, see
     tight = Engine(EngineConfig(
         model=llama.path, page_size=page_size, enable_radix_cache=rng.random() < 0.7,
         max_total_tokens=(128 if page_size == 16 else 80), max_prefill_tokens=rng.choice([16, 32, 64]),
-        max_running_requests=rng.choice([2, 4, 16]),
+        max_running_requests=rng.choice([2, 4, 16]), overlap_schedule=overlap,
     ))
     ids = [tight.add_request(p, s, request_id=f"r{i}") for i, (p, s) in enumerate(items)]
     victim = rng.choice(ids)[0]

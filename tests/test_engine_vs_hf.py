@@ -30,17 +30,20 @@ def assert_all_memory_free(engine: Engine) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "noradix"])
-@pytest.mark.parametrize("budget", ["roomy", "tight"])
+@pytest.mark.parametrize("budget", ["roomy", "tight", "tight-overlap"])
 def test_greedy_matches_transformers(tiny_model: TinyModel, page_size: int, radix: bool, budget: str) -> None:
     prompts, expected = hf_greedy(tiny_model)
     # "tight": room for only a few requests at once, so the scheduler must retract and
     # resume; also chunk prefills into 16-token pieces.
-    kwargs = dict(max_total_tokens=96 if page_size == 1 else 128, max_prefill_tokens=16) if budget == "tight" else {}
+    # "tight-overlap": the same, reading each step's tokens back one step later.
+    kwargs = dict(max_total_tokens=96 if page_size == 1 else 128, max_prefill_tokens=16) if budget != "roomy" else {}
+    if budget == "tight-overlap":
+        kwargs["overlap_schedule"] = True
     engine = Engine(EngineConfig(model=tiny_model.path, page_size=page_size, enable_radix_cache=radix, **kwargs))
     outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     assert all(o.finish_reason == "length" for o in outs)
-    if budget == "tight":
+    if budget != "roomy":
         assert engine.counters.retractions > 0, "the tight budget was meant to force retraction"
     assert_all_memory_free(engine)
 

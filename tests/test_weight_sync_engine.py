@@ -98,9 +98,12 @@ def _drain(engine: Engine) -> dict:
     return outs
 
 
-def test_pause_mode_retract_resumes_under_new_weights(llama: TinyModel, trainer) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_pause_mode_retract_resumes_under_new_weights(llama: TinyModel, trainer, overlap: bool) -> None:
     prompts = make_prompts(llama.vocab_size, [4, 9, 6], seed=22)
-    engine = Engine(EngineConfig(model=llama.path))
+    # with overlap scheduling the 4th token is still in flight when the update arrives:
+    # it must be read back (version 0) before the pause
+    engine = Engine(EngineConfig(model=llama.path, overlap_schedule=overlap))
     ids = _start(engine, prompts, new=10, steps=4)  # 4 tokens made by version 0
     train_step(trainer)
     engine.update_weights(iter_hf_weights(trainer), full=True, pause_mode="retract")

@@ -23,13 +23,16 @@ class ModelRunner:
         self.table = table  # [max_requests, max_context] int64, CPU
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        # the last token sampled for each request row, on the device (overlap scheduling
+        # feeds in-flight tokens from here without a host round trip)
+        self.last_tokens = torch.zeros(table.shape[0], dtype=torch.int64, device=device)
 
     def capture_decode_graphs(self, max_bs: int, max_context: int) -> None:
         self.graphs = DecodeGraphs(self.model, self.backend, max_bs, max_context, self.device)
         self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        if batch.num_decode == len(batch.reqs) and all(r.output_ids for r in batch.reqs):
+        if batch.num_decode == len(batch.reqs) and all(r.output_ids or r.num_inflight for r in batch.reqs):
             return self._prepare_decode(batch)
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -38,9 +41,13 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         num_tokens = 0
+        inflight: list[tuple[int, int]] = []  # (token index, request row) fed from the device
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            if n == 1 and req.output_ids and end == req.seq_len:
+            if req.num_inflight:
+                inflight.append((num_tokens, req.req_pool_idx))
+                input_ids.append(0)
+            elif n == 1 and req.output_ids and end == req.seq_len:
                 input_ids.append(req.output_ids[-1])  # decode: skip building all_ids
             else:
                 input_ids.extend(req.all_ids[start:end])
@@ -54,7 +61,7 @@ class ModelRunner:
                 logits_indices.append(num_tokens - 1)
         return self._finish(
             torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), torch.cat(out_locs), torch.cat(kv_parts),
-            torch.tensor(logits_indices, dtype=torch.int64), batch, seq_lens,
+            torch.tensor(logits_indices, dtype=torch.int64), batch, seq_lens, inflight,
         )
 
     def _prepare_decode(self, batch: ScheduledBatch) -> ForwardBatch:
@@ -67,15 +74,16 @@ class ModelRunner:
         table = self.table[rows, : max(seq_lens)]  # [B, max_len]
         valid = torch.arange(table.shape[1])[None, :] < lens[:, None]
         positions = lens - 1
+        inflight = [(i, r.req_pool_idx) for i, r in enumerate(reqs) if r.num_inflight]
         return self._finish(
-            torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64), positions,
+            torch.tensor([0 if r.num_inflight else r.output_ids[-1] for r in reqs], dtype=torch.int64), positions,
             table.gather(1, positions[:, None])[:, 0], table[valid],
-            torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens,
+            torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens, inflight,
         )
 
     def _finish(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_indices: torch.Tensor, logits_indices: torch.Tensor, batch: ScheduledBatch,
-                seq_lens: list[int]) -> ForwardBatch:
+                seq_lens: list[int], inflight: list[tuple[int, int]]) -> ForwardBatch:
         qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.tensor(batch.extend_lens, dtype=torch.int32).cumsum(0)
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
@@ -85,8 +93,12 @@ class ModelRunner:
         def to_dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(dev, non_blocking=True)
 
+        input_ids = to_dev(input_ids)
+        if inflight:  # tokens sampled last step, not yet seen by the host
+            at, rows = torch.tensor(inflight, dtype=torch.int64).T
+            input_ids[to_dev(at)] = self.last_tokens[to_dev(rows)]
         return ForwardBatch(
-            input_ids=to_dev(input_ids),
+            input_ids=input_ids,
             positions=to_dev(positions),
             out_cache_loc=to_dev(out_cache_loc),
             qo_indptr=to_dev(qo_indptr),
@@ -97,6 +109,10 @@ class ModelRunner:
             seq_lens=seq_lens,
             num_decode=batch.num_decode,
         )
+
+    def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """Remember each row's newest sampled token on the device."""
+        self.last_tokens[torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)] = tokens
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
