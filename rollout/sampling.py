@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.device import to_device
 from rollout.request import Req
 
 _MASK32 = 0xFFFFFFFF
@@ -71,7 +72,7 @@ class SamplingBatch:
             return cls(none, none, none, none, none, none, none, True, False, False, max_top)
 
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), torch.device(device))
 
         return cls(
             temperatures=t([x if x > 0 else 1.0 for x in temps], torch.float32),

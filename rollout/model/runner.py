@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.device import to_device
 from rollout.model.cuda_graph import DecodeGraphs
 from rollout.model.forward_batch import ForwardBatch
 from rollout.model.llama import LlamaModel
@@ -91,7 +92,7 @@ class ModelRunner:
         dev = self.device
 
         def to_dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(dev, non_blocking=True)
+            return to_device(t, dev)
 
         input_ids = to_dev(input_ids)
         if inflight:  # tokens sampled last step, not yet seen by the host
@@ -112,7 +113,7 @@ class ModelRunner:
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
         """Remember each row's newest sampled token on the device."""
-        self.last_tokens[torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)] = tokens
+        self.last_tokens[to_device(torch.tensor(rows, dtype=torch.int64), self.device)] = tokens
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
