@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _weightsync_helpers import assert_same_tensors, free_port
+from _weightsync_helpers import assert_same_tensors
 
 from weightsync.transports import iter_safetensors_dir
 
@@ -31,7 +31,7 @@ def _fsdp_supported() -> str | None:
     return None
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, out_dir: str) -> None:
     import torch.distributed as dist
     from _weightsync_helpers import FakeEngine, tiny_hf_like
     from torch.distributed.device_mesh import init_device_mesh
@@ -41,7 +41,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     from weightsync.trainer import WeightSyncSender, iter_hf_weights
     from weightsync.transports import InProcessSender, save_safetensors_dir
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    # A file rendezvous: no port picked in the parent that another socket could take first.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD_SIZE)
     report: dict[str, object] = {}
     try:
         model = tiny_hf_like()  # same seed on every rank: same full weights
@@ -91,13 +92,16 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         report["in_step"] = check.item() == WORLD_SIZE
     finally:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+        # Tear down together: a gloo group destroyed while the peer is already gone can
+        # abort the process ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(_fsdp_supported() is not None, reason=str(_fsdp_supported()))
 def test_fsdp2_push_on_cpu_gloo(tmp_path):
     ranks = mp.start_processes(
-        _rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn", join=False
+        _rank_main, args=(str(tmp_path),), nprocs=WORLD_SIZE, start_method="spawn", join=False
     )
     deadline = time.monotonic() + 120
     while not ranks.join(timeout=1):
