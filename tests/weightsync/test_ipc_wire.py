@@ -11,12 +11,13 @@ import pytest
 import torch
 from _weightsync_helpers import assert_same_tensors
 
-from weightsync.bucket import BucketMeta, pack_buckets
+from weightsync.bucket import BucketMeta
+from _ipc_fakes import _handle, _meta
+
 from weightsync.transports import WeightSyncError
 from weightsync.transports.flat_buffer import pack_flat, plan_flat
 from weightsync.transports.ipc_wire import (
     BucketRequest,
-    CudaIpcHandle,
     EndRequest,
     FlatRequest,
     Reply,
@@ -29,28 +30,6 @@ from weightsync.transports.ipc_wire import (
     handles_in,
 )
 
-
-
-def _handle(**overrides) -> CudaIpcHandle:
-    fields = dict(
-        device_index=0,
-        device_uuid="GPU-1234",
-        storage_handle=b"\x01" * 64,
-        storage_size_bytes=1 << 20,
-        storage_offset_bytes=512,
-        ref_counter_handle=b"/torch_123_456",
-        ref_counter_offset=3,
-        event_handle=b"\x02" * 64,
-        event_sync_required=True,
-        tensor_offset=256,
-        nbytes=4096,
-    )
-    return CudaIpcHandle(**(fields | overrides))
-
-
-def _meta(total_bytes: int = 4096) -> BucketMeta:
-    (meta, _), = list(pack_buckets([("w", torch.zeros(total_bytes // 4))], 1 << 20))
-    return meta
 
 
 # --- wire format ---------------------------------------------------------------------
