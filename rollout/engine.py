@@ -271,7 +271,8 @@ class Engine(WeightUpdatesMixin):
         if not samplers:
             return _Launched([], None, None, 0, self.weight_version)
         res = sample(logits, SamplingBatch.from_reqs(samplers, self.model_config.vocab_size, logits.device))
-        self.runner.record_tokens([r.req_pool_idx for r in samplers], res.token_ids)
+        if self.config.overlap_schedule:  # only then does a step read tokens it has not seen
+            self.runner.record_tokens([r.req_pool_idx for r in samplers], res.token_ids)
         for req in samplers:
             req.num_inflight += 1
         # Everything the host needs, packed into one float64 tensor (token ids < 2**53 are
