@@ -18,6 +18,7 @@ token (over the bf16 matmul rate measured in this run).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -68,8 +69,22 @@ class Result:
         return self.output_tokens / self.roofline_seconds
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
     """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured now."""
+    if device.type == "cpu":  # smoke runs only: rough host figures, small buffers
+        src = torch.randn(16 * 1024**2)
+        start = time.perf_counter()
+        src.clone()
+        bw = 2 * src.numel() * 4 / (time.perf_counter() - start)
+        a = torch.randn(512, 512)
+        start = time.perf_counter()
+        a @ a
+        return bw, 2 * 512**3 / (time.perf_counter() - start)
     src = torch.randn(2 * 1024**3 // 2, dtype=torch.bfloat16, device=device)  # 2 GiB
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -124,7 +139,7 @@ def run_engine(engine, prompts: list[list[int]], params, n: int = 1) -> tuple[li
     ids = []
     for p in prompts:
         ids += engine.add_request(p, params)
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     first_token_at = None
     outs = []
@@ -134,7 +149,7 @@ def run_engine(engine, prompts: list[list[int]], params, n: int = 1) -> tuple[li
             r.output_ids for r in engine.scheduler.running
         ):
             first_token_at = time.perf_counter() - start
-    torch.cuda.synchronize()
+    _sync()
     return outs, time.perf_counter() - start, first_token_at or 0.0
 
 
@@ -165,17 +180,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"])
-    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--attention", nargs="+", default=["auto"], help="one run of the workloads per backend")
+    parser.add_argument("--overlap", nargs="+", default=["on"], choices=["on", "off"],
+                        help="overlap scheduling: one run of the workloads per value")
     parser.add_argument("--hf", action="store_true", help="also time transformers generate for (a) and (b)")
     parser.add_argument("--hf-only", action="store_true", help="time only the transformers peers")
     parser.add_argument("--hf-output-len", type=int, default=64, help="output length of the HF peer runs")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     cfg = SHAPES[args.shape]
     model_dir = tempfile.mkdtemp(prefix=f"bench-{args.shape}-")
     (Path(model_dir) / "config.json").write_text(json.dumps(cfg))
@@ -183,9 +201,7 @@ def main() -> None:
     roof = Roofline(cfg, bw, flops)
     print(f"device copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
           f"weights read per step {roof.weight_bytes / 1e9:.2f} GB", flush=True)
-    g = torch.Generator().manual_seed(0)
-
-    def rand_prompts(count: int, length: int) -> list[list[int]]:
+    def rand_prompts(count: int, length: int, g: torch.Generator) -> list[list[int]]:
         return torch.randint(100, cfg["vocab_size"] - 100, (count, length), generator=g).tolist()
 
     results: list[Result] = []
@@ -201,79 +217,98 @@ def main() -> None:
     if args.hf_only:
         return
 
-    def engine_for(radix: bool = True):
-        return Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy",
-                                   attention=args.attention, page_size=16, enable_radix_cache=radix,
-                                   max_running_requests=512, max_prefill_tokens=8192,
+    def run_workloads(engine, label: str, make_engine) -> None:
+        def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0):
+            r = Result(f"{name} [{label}]", sum(len(o.token_ids) for o in outs), seconds, steps,
+                       *roof.time(prompt_lens, output_lens, computed), prefill)
+            results.append(r)
+            print(f"{name}: {r.tok_s:.0f} tok/s ({r.seconds:.2f} s, {r.steps} steps), roofline {r.roofline_tok_s:.0f} tok/s"
+                  + (f", prefill {prefill:.2f} s" if prefill is not None else ""), flush=True)
+
+        for w in args.workloads:
+            g = torch.Generator().manual_seed(ord(w))  # the same prompts and lengths for every engine config
+            try:
+                engine.flush_cache()
+                steps0, computed0 = engine.counters.steps, engine.counters.computed_tokens
+                if w == "a":
+                    prompts, out_len = rand_prompts(256, 512, g), 256
+                    params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
+                    outs, secs, _ = run_engine(engine, prompts, params)
+                    record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
+                           steps=engine.counters.steps - steps0)
+                elif w == "b":
+                    params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
+                    outs, secs, _ = run_engine(engine, rand_prompts(1, 128, g), params)
+                    record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128, steps=engine.counters.steps - steps0)
+                elif w == "c":
+                    prompts = rand_prompts(64, 1024, g)
+                    params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
+                    for radix in (True, False):
+                        eng = engine if radix else make_engine(False)
+                        eng.flush_cache()
+                        steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
+                        outs, secs, prefill = run_engine(eng, prompts, params)
+                        computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
+                        record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
+                               [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0)
+                        if not radix:
+                            del eng
+                            gc.collect()
+                            if torch.cuda.is_available():
+                                torch.cuda.empty_cache()
+                elif w == "d":
+                    lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
+                    lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
+                    prompts = [rand_prompts(1, n, g)[0] for n in lens_in]
+                    ids = []
+                    _sync()
+                    start = time.perf_counter()
+                    for p, o in zip(prompts, lens_out):
+                        ids += engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True))
+                    outs = []
+                    while engine.has_unfinished():
+                        outs += engine.step()
+                    _sync()
+                    record("d: 256 x uniform[100,1024] in/out", outs, time.perf_counter() - start, lens_in, lens_out,
+                           sum(lens_in), steps=engine.counters.steps - steps0)
+            except Exception:  # keep going: one failing workload must not lose the others' figures
+                traceback.print_exc()
+
+    max_tokens = None if device.type == "cuda" else 300_000  # CPU smoke: a bounded pool
+
+    def engine_for(attention: str, overlap: bool, radix: bool = True):
+        return Engine(EngineConfig(model=model_dir, dtype="bfloat16" if device.type == "cuda" else "float32",
+                                   device=args.device, load_format="dummy", max_total_tokens=max_tokens,
+                                   attention=attention, page_size=16, enable_radix_cache=radix,
+                                   max_running_requests=512, max_prefill_tokens=8192, overlap_schedule=overlap,
                                    gpu_memory_fraction=args.mem_fraction))
 
-    engine = engine_for()
-    print(f"engine: backend {engine.runner.backend.name}, KV capacity {engine.kv.capacity} tokens", flush=True)
-    engine.generate(input_ids=rand_prompts(4, 64), sampling_params=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    for attention in args.attention:
+        for overlap in (o == "on" for o in args.overlap):
+            try:
+                engine = engine_for(attention, overlap)
+            except Exception:
+                traceback.print_exc()
+                continue
+            label = f"{engine.runner.backend.name}{', overlap' if overlap else ''}"
+            print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
+            run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix))
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
-    def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0):
-        r = Result(name, sum(len(o.token_ids) for o in outs), seconds, steps,
-                   *roof.time(prompt_lens, output_lens, computed), prefill)
-        results.append(r)
-        print(f"{name}: {r.tok_s:.0f} tok/s ({r.seconds:.2f} s, {r.steps} steps), roofline {r.roofline_tok_s:.0f} tok/s"
-              + (f", prefill {prefill:.2f} s" if prefill is not None else ""), flush=True)
-
-    for w in args.workloads:
-        try:
-            engine.flush_cache()
-            steps0, computed0 = engine.counters.steps, engine.counters.computed_tokens
-            if w == "a":
-                prompts, out_len = rand_prompts(256, 512), 256
-                params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
-                outs, secs, _ = run_engine(engine, prompts, params)
-                record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
-                       steps=engine.counters.steps - steps0)
-            elif w == "b":
-                params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
-                outs, secs, _ = run_engine(engine, rand_prompts(1, 128), params)
-                record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128, steps=engine.counters.steps - steps0)
-            elif w == "c":
-                prompts = rand_prompts(64, 1024)
-                params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
-                for radix in (True, False):
-                    eng = engine if radix else engine_for(radix=False)
-                    eng.flush_cache()
-                    steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
-                    outs, secs, prefill = run_engine(eng, prompts, params)
-                    computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
-                    record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
-                           [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0)
-                    if not radix:
-                        del eng
-                        torch.cuda.empty_cache()
-            elif w == "d":
-                lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
-                lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
-                prompts = [rand_prompts(1, n)[0] for n in lens_in]
-                ids = []
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for p, o in zip(prompts, lens_out):
-                    ids += engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True))
-                outs = []
-                while engine.has_unfinished():
-                    outs += engine.step()
-                torch.cuda.synchronize()
-                record("d: 256 x uniform[100,1024] in/out", outs, time.perf_counter() - start, lens_in, lens_out,
-                       sum(lens_in), steps=engine.counters.steps - steps0)
-        except Exception:  # keep going: one failing workload must not lose the others' figures
-            traceback.print_exc()
-
-    print(f"\n{args.shape}, bf16, backend {engine.runner.backend.name}, {torch.cuda.get_device_name()}, "
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"\n{args.shape}, {'bf16' if device.type == 'cuda' else 'fp32'}, {name}, "
           f"copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.0f} TFLOP/s")
-    print(f"{'workload':<44} | {'tok/s':>8} | {'step ms':>7} | {'roofline':>8} | {'of roof':>7} | "
+    print(f"{'workload [engine]':<58} | {'tok/s':>8} | {'step ms':>7} | {'roofline':>8} | {'of roof':>7} | "
           f"{'+prefill':>8} | {'of that':>7} | {'HF tok/s':>8}")
     for r in results:
         key = r.name[0]
         hf = f"{hf_peer[key]:.0f}" if key in hf_peer and "radix off" not in r.name else ""
         step_ms = 1e3 * r.seconds / max(1, r.steps)
         floor = r.output_tokens / (r.roofline_seconds + r.prefill_floor_seconds)
-        print(f"{r.name:<44} | {r.tok_s:>8.0f} | {step_ms:>7.2f} | {r.roofline_tok_s:>8.0f} | "
+        print(f"{r.name:<58} | {r.tok_s:>8.0f} | {step_ms:>7.2f} | {r.roofline_tok_s:>8.0f} | "
               f"{r.tok_s / r.roofline_tok_s:>6.0%} | {floor:>8.0f} | {r.tok_s / floor:>6.0%} | {hf:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps({"bw": bw, "flops": flops, "hf": hf_peer,

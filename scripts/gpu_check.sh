@@ -1,15 +1,34 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine: GPU tests, then the weight-sync and rollout benchmarks.
-# Logs land in $OUT (the device tool brings them back). Each stage has its own time limit so
-# a hang in one still returns the others' figures.
+# One call on the lent GPU machine: GPU tests, a decode-step profile, then the rollout and
+# weight-sync benchmarks. Logs land in $OUT (the device tool brings them back). Each stage
+# has its own time limit so a hang in one still returns the others' figures.
+#   STAGES="tests profile rollout weightsync"   (default: all four)
+#   PROFILE="256:flashinfer:off 1:flashinfer:on"   (batch:attention:overlap per profile run)
+#   ATTENTION="flashinfer triton"  OVERLAP="on off"  WORKLOADS="b a"  for the rollout bench
 set -u
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import zmq" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source scripts/gpu_env.sh
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
+STAGES=${STAGES:-tests profile rollout weightsync}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-timeout "${TEST_S:-150}" python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests/model/test_cuda_graph.py tests/attention/test_backends_gpu.py tests/kernels tests/weightsync/test_cuda_ipc_gpu.py} 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-timeout "${WS_S:-120}" python3 -m scripts.bench_weightsync --repeats 3 2>&1 | grep -v Loading | tee "$OUT/weightsync.log" | tail -8
-timeout "${RB_S:-200}" python3 -m scripts.bench_rollout --shape llama8b --workloads ${WORKLOADS:-b a} --json "$OUT/rollout.json" 2>&1 | grep -v Loading | tee "$OUT/rollout.log" | tail -12
+python3 -c "import flashinfer, time; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+
+if [[ " $STAGES " == *" tests "* ]]; then
+  timeout "${TEST_S:-300}" python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests/attention/test_backends_gpu.py tests/model/test_cuda_graph.py tests/kernels tests/weightsync/test_cuda_ipc_gpu.py} 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  fi_save_jit "$OUT"
+fi
+if [[ " $STAGES " == *" profile "* ]]; then
+  for bs_att in ${PROFILE:-256:flashinfer:off 1:flashinfer:off}; do
+    IFS=: read -r bs att ov <<<"$bs_att"
+    flag=""; [ "$ov" = on ] && flag="--overlap"
+    timeout "${PROFILE_S:-120}" python3 -m scripts.profile_step --shape llama8b --batch "$bs" --attention "$att" $flag --steps 20 --top 18 2>&1 \
+      | grep -v -E "Loading|USDT|profiler_st" | tee -a "$OUT/profile.log" | grep -E "ms per decode|^  [a-z]" 
+  done
+fi
+if [[ " $STAGES " == *" rollout "* ]]; then
+  timeout "${RB_S:-400}" python3 -m scripts.bench_rollout --shape llama8b --workloads ${WORKLOADS:-b a} \
+    --attention ${ATTENTION:-flashinfer triton} --overlap ${OVERLAP:-on off} ${HF:-} --json "$OUT/rollout.json" 2>&1 \
+    | grep -v Loading | tee "$OUT/rollout.log" | tail -14
+fi
+if [[ " $STAGES " == *" weightsync "* ]]; then
+  timeout "${WS_S:-120}" python3 -m scripts.bench_weightsync --repeats 3 2>&1 | grep -v Loading | tee "$OUT/weightsync.log" | tail -8
+fi

@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-graph", action="store_true", help="profile eager decode instead of CUDA graphs")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--overlap", action="store_true", help="overlap scheduling on (phases are then not split)")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     args = parser.parse_args()
 
@@ -39,7 +41,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device, load_format="dummy",
                                  page_size=16, max_running_requests=max(args.batch, 1), gpu_memory_fraction=0.6,
-                                 cuda_graph=not args.no_graph, cuda_graph_max_bs=max(args.batch, 1)))
+                                 cuda_graph=not args.no_graph, cuda_graph_max_bs=max(args.batch, 1),
+                                 attention=args.attention, overlap_schedule=args.overlap))
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts = torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
@@ -66,18 +69,20 @@ def main() -> None:
             return out
         return wrapper
 
-    scheduler.schedule = timed("schedule", orig_schedule)
-    runner.prepare = timed("prepare", orig_prepare)
-    runner.forward = timed("forward", orig_forward, sync=True)
+    if not args.overlap:  # a sync after forward would defeat overlap: time whole steps only then
+        scheduler.schedule = timed("schedule", orig_schedule)
+        runner.prepare = timed("prepare", orig_prepare)
+        runner.forward = timed("forward", orig_forward, sync=True)
     sync()
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     total = time.perf_counter() - start
     phases["sample+bookkeeping"] = total - sum(v for k, v in phases.items() if k != "sample+bookkeeping")
-    print(f"\n{args.shape} {engine.config.dtype}, batch {args.batch}, context ~{args.input_len}, graphs {engine.runner.graphs is not None}: "
+    print(f"\n{args.shape} {engine.config.dtype}, batch {args.batch}, context ~{args.input_len}, graphs {engine.runner.graphs is not None}, "
+          f"attention {engine.runner.backend.name}, overlap {args.overlap}: "
           f"{1e3 * total / args.steps:.2f} ms per decode step")
-    for name, secs in phases.items():
+    for name, secs in phases.items() if not args.overlap else ():
         print(f"  {name:<20} {1e3 * secs / args.steps:8.2f} ms")
 
     scheduler.schedule, runner.prepare, runner.forward = orig_schedule, orig_prepare, orig_forward

@@ -31,6 +31,15 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers."""
         self.batch = batch
 
+    def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
+        """Plan a decode-only batch for CUDA-graph capture (graphable backends): whatever
+        the kernels read at replay must live in buffers this plan fixes."""
+        self.plan(batch)
+
+    def plan_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """Before replaying the captured graph of batch size bs for this decode-only batch
+        (after its static inputs are written): refresh any metadata the graph reads."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
         batch = self.batch

@@ -7,7 +7,8 @@ over a KV of length 1 at slot 0, so they never touch a live request's KV. Logits
 for every row; the caller keeps the first b.
 
 Needs an attention backend whose kernels read only device tensors at replay (`graphable`):
-the Triton backend, with a number of KV splits fixed at capture.
+Triton (KV split count fixed at capture, reads the static index buffers here) or
+FlashInfer (one wrapper per size, re-planned by `plan_replay` before each replay).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class DecodeGraphs:
             self.out_cache_loc[b:bs].zero_()
             self.kv_indptr[b + 1 : bs + 1].copy_(self._pad_indptr[:pad] + nnz)
             self.kv_indices[nnz : nnz + pad].zero_()
+        self.backend.plan_replay(fb, bs)
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.logits[bs][:b]

@@ -1,5 +1,6 @@
 """On CUDA: every attention backend agrees with the torch reference on a ragged batch
-(decodes and extends over cached prefixes) in bf16, page sizes 1 and 16."""
+(decodes and extends over cached prefixes, pages scattered over the pool) in bf16, page
+sizes 1 and 16."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU backe
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_backend_matches_torch_reference(backend: str, page_size: int) -> None:
     from rollout.attention import make_backend
     from rollout.cache.kv_pool import KVPool
     from rollout.model.forward_batch import ForwardBatch
+
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")
 
     torch.manual_seed(0)
     heads, kv_heads, dim, dev = 32, 8, 128, "cuda"
@@ -23,11 +27,13 @@ def test_backend_matches_torch_reference(backend: str, page_size: int) -> None:
     pool.v_buffers[0].normal_()
     # (cached prefix, new tokens): 3 decodes then extends with and without a prefix
     shapes = [(700, 1), (1, 1), (2047, 1), (0, 300), (129, 77), (16, 1000)]
-    slots = torch.randperm(pool.num_slots - page_size, device=dev) + page_size  # scattered, never page 0
+    # each request's positions fill its own pages in order (the pool's layout), pages scattered, never page 0
+    pages = torch.randperm(pool.num_slots // page_size - 1, device=dev) + 1
     kv, out_loc, off = [], [], 0
     for prefix, new in shapes:
-        s = slots[off: off + prefix + new]
-        off += prefix + new
+        n_pages = -(-(prefix + new) // page_size)
+        s = (pages[off: off + n_pages, None] * page_size + torch.arange(page_size, device=dev)).reshape(-1)[: prefix + new]
+        off += n_pages
         kv.append(s)
         out_loc.append(s[prefix:])
     seq_lens = [p + n for p, n in shapes]
