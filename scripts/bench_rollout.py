@@ -40,7 +40,7 @@ SHAPES = {
     "tiny": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
     ),
     "qwen06b": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -59,6 +59,7 @@ class Result:
     roofline_seconds: float  # the bandwidth roofline of the decode steps (issue #3's definition)
     prefill_floor_seconds: float  # prefill FLOPs over the matmul rate: the rest of the floor
     prefill_seconds: float | None = None
+    decode_step_ms: float = 0.0  # median wall time of the steps that replayed a decode graph
 
     @property
     def tok_s(self) -> float:
@@ -134,23 +135,31 @@ class Roofline:
         return total, 2 * self.matmul_params * computed_prompt_tokens / self.flops
 
 
-def run_engine(engine, prompts: list[list[int]], params, n: int = 1) -> tuple[list, float, float]:
-    """Returns (outputs, total seconds, seconds until every sample had its first token)."""
-    ids = []
-    for p in prompts:
-        ids += engine.add_request(p, params)
+def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, float, float]:
+    """Returns (outputs, total seconds, seconds until every sample had its first token,
+    median wall ms of the steps that replayed a decode graph). `params`: one for all or one
+    per prompt."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    for p, sp in zip(prompts, per_prompt):
+        engine.add_request(p, sp)
+    graphs = engine.runner.graphs
     _sync()
     start = time.perf_counter()
     first_token_at = None
-    outs = []
+    outs, decode_steps = [], []
     while engine.has_unfinished():
+        replays = graphs.num_replays if graphs is not None else 0
+        t = time.perf_counter()
         outs += engine.step()
+        if graphs is not None and graphs.num_replays > replays:
+            decode_steps.append(time.perf_counter() - t)
         if first_token_at is None and not engine.scheduler.waiting and all(
             r.output_ids for r in engine.scheduler.running
         ):
             first_token_at = time.perf_counter() - start
     _sync()
-    return outs, time.perf_counter() - start, first_token_at or 0.0
+    decode_ms = 1e3 * sorted(decode_steps)[len(decode_steps) // 2] if decode_steps else 0.0
+    return outs, time.perf_counter() - start, first_token_at or 0.0, decode_ms
 
 
 def hf_generate(model_dir: str, cfg: dict, batch: int, input_len: int, output_len: int, device) -> float:
@@ -218,9 +227,9 @@ def main() -> None:
         return
 
     def run_workloads(engine, label: str, make_engine) -> None:
-        def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0):
+        def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0, decode_ms=0.0):
             r = Result(f"{name} [{label}]", sum(len(o.token_ids) for o in outs), seconds, steps,
-                       *roof.time(prompt_lens, output_lens, computed), prefill)
+                       *roof.time(prompt_lens, output_lens, computed), prefill, decode_ms)
             results.append(r)
             print(f"{name}: {r.tok_s:.0f} tok/s ({r.seconds:.2f} s, {r.steps} steps), roofline {r.roofline_tok_s:.0f} tok/s"
                   + (f", prefill {prefill:.2f} s" if prefill is not None else ""), flush=True)
@@ -233,13 +242,14 @@ def main() -> None:
                 if w == "a":
                     prompts, out_len = rand_prompts(256, 512, g), 256
                     params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
-                    outs, secs, _ = run_engine(engine, prompts, params)
+                    outs, secs, _, dms = run_engine(engine, prompts, params)
                     record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
-                           steps=engine.counters.steps - steps0)
+                           steps=engine.counters.steps - steps0, decode_ms=dms)
                 elif w == "b":
                     params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
-                    outs, secs, _ = run_engine(engine, rand_prompts(1, 128, g), params)
-                    record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128, steps=engine.counters.steps - steps0)
+                    outs, secs, _, dms = run_engine(engine, rand_prompts(1, 128, g), params)
+                    record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128,
+                           steps=engine.counters.steps - steps0, decode_ms=dms)
                 elif w == "c":
                     prompts = rand_prompts(64, 1024, g)
                     params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
@@ -247,10 +257,11 @@ def main() -> None:
                         eng = engine if radix else make_engine(False)
                         eng.flush_cache()
                         steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
-                        outs, secs, prefill = run_engine(eng, prompts, params)
+                        outs, secs, prefill, dms = run_engine(eng, prompts, params)
                         computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
                         record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
-                               [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0)
+                               [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0,
+                               decode_ms=dms)
                         if not radix:
                             del eng
                             gc.collect()
@@ -260,17 +271,10 @@ def main() -> None:
                     lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
                     lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
                     prompts = [rand_prompts(1, n, g)[0] for n in lens_in]
-                    ids = []
-                    _sync()
-                    start = time.perf_counter()
-                    for p, o in zip(prompts, lens_out):
-                        ids += engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True))
-                    outs = []
-                    while engine.has_unfinished():
-                        outs += engine.step()
-                    _sync()
-                    record("d: 256 x uniform[100,1024] in/out", outs, time.perf_counter() - start, lens_in, lens_out,
-                           sum(lens_in), steps=engine.counters.steps - steps0)
+                    params = [SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True) for o in lens_out]
+                    outs, secs, _, dms = run_engine(engine, prompts, params)
+                    record("d: 256 x uniform[100,1024] in/out", outs, secs, lens_in, lens_out, sum(lens_in),
+                           steps=engine.counters.steps - steps0, decode_ms=dms)
             except Exception:  # keep going: one failing workload must not lose the others' figures
                 traceback.print_exc()
 
@@ -292,6 +296,11 @@ def main() -> None:
                 continue
             label = f"{engine.runner.backend.name}{', overlap' if overlap else ''}"
             print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
+            # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
+            warm = torch.Generator().manual_seed(1)
+            greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+            engine.generate(input_ids=rand_prompts(8, 64, warm) + rand_prompts(1, 700, warm), sampling_params=greedy)
+            engine.generate(input_ids=rand_prompts(1, 128, warm), sampling_params=greedy)
             run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix))
             del engine
             gc.collect()
@@ -302,14 +311,14 @@ def main() -> None:
     print(f"\n{args.shape}, {'bf16' if device.type == 'cuda' else 'fp32'}, {name}, "
           f"copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.0f} TFLOP/s")
     print(f"{'workload [engine]':<58} | {'tok/s':>8} | {'step ms':>7} | {'roofline':>8} | {'of roof':>7} | "
-          f"{'+prefill':>8} | {'of that':>7} | {'HF tok/s':>8}")
+          f"{'+prefill':>8} | {'of that':>7} | {'decode ms':>9} | {'HF tok/s':>8}")
     for r in results:
         key = r.name[0]
         hf = f"{hf_peer[key]:.0f}" if key in hf_peer and "radix off" not in r.name else ""
         step_ms = 1e3 * r.seconds / max(1, r.steps)
         floor = r.output_tokens / (r.roofline_seconds + r.prefill_floor_seconds)
         print(f"{r.name:<58} | {r.tok_s:>8.0f} | {step_ms:>7.2f} | {r.roofline_tok_s:>8.0f} | "
-              f"{r.tok_s / r.roofline_tok_s:>6.0%} | {floor:>8.0f} | {r.tok_s / floor:>6.0%} | {hf:>8}")
+              f"{r.tok_s / r.roofline_tok_s:>6.0%} | {floor:>8.0f} | {r.tok_s / floor:>6.0%} | {r.decode_step_ms:>9.2f} | {hf:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps({"bw": bw, "flops": flops, "hf": hf_peer,
                                                "results": [vars(r) for r in results]}, indent=1))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout import kernels
+
 
 class OutOfSlots(RuntimeError):
     pass
@@ -129,6 +131,9 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
+        if kernels.use_fused(k):  # GPU: K and V in one launch
+            kernels.fused.store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v)
+            return
         self.k_buffers[layer_id].index_copy_(0, slots, k.to(self.k_buffers[layer_id].dtype))
         self.v_buffers[layer_id].index_copy_(0, slots, v.to(self.v_buffers[layer_id].dtype))
 

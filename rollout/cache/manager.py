@@ -4,6 +4,9 @@ allocator. The scheduler asks it questions in token counts; it never sees a page
 Invariant per running request (row r of the request table):
   table[r, :num_prefix_tokens]                  slots owned by the tree (locked via last_node)
   table[r, num_prefix_tokens:num_allocated_slots]  slots the request owns
+The page holding position num_allocated_slots - 1 is the request's whole, and its table
+entries are written to the page's end (page-aligned prefixes make every boundary a page
+boundary), so growing inside that page needs no allocation.
 """
 
 from __future__ import annotations
@@ -95,16 +98,23 @@ class KVManager:
         return True
 
     def _alloc(self, req: Req, new_len: int) -> None:
+        """Slots for positions [num_allocated_slots, new_len). Pages are taken whole and the
+        table is written up to the end of the last new page, so the decodes that follow
+        inside that page only move the counter: no tensor op per request per step."""
         start = req.num_allocated_slots
         if new_len <= start:
             return
-        row = req.req_pool_idx
-        last = int(self.table[row, start - 1]) if start else None
-        try:
-            slots = self.allocator.slots_for_positions(last, start, new_len)
+        ps = self.page_size
+        filled = -(-start // ps) * ps  # the table already holds start's whole page
+        if new_len <= filled:
+            req.num_allocated_slots = new_len
+            return
+        end = min(-(-new_len // ps) * ps, self.table.shape[1])
+        try:  # filled is page-aligned: only whole new pages are taken
+            slots = self.allocator.slots_for_positions(None, filled, end)
         except OutOfSlots as e:  # callers check capacity first; reaching here is a bug
             raise RuntimeError(f"KV allocation failed after capacity check: {e}") from e
-        self.table[row, start:new_len] = slots
+        self.table[req.req_pool_idx, filled:end] = slots
         req.num_allocated_slots = new_len
 
     # ---- release ----------------------------------------------------------------------

@@ -4,6 +4,7 @@
 * ``silu_and_mul``: ``silu(gate) * up`` straight from the fused gate/up projection output.
 * ``rotary_embedding``: rotate-half RoPE of q and k in one launch, cos/sin gathered by
   position inside the kernel.
+* ``store_kv``: the new tokens' K and V into the paged pool by slot, one launch.
 
 Each mirrors a torch twin in ``rollout.model.llama`` (the CPU path and the reference) op by
 op, including where that twin rounds to the model dtype: every bf16/fp16 elementwise op of
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "store_kv"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # RMSNorm keeps a whole row in registers up to this width (Llama-70B's 8192 fits);
@@ -329,3 +330,41 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         enable_fp_fusion=False,
     )
     return q_out, k_out
+
+
+# ---------------------------------------------------------------------------- KV store
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_cols, stride_kt, stride_vt, stride_kc, stride_vc,
+                     BLOCK: tl.constexpr):
+    # grid: (T, column blocks); one launch writes both K and V of a token
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
+    tl.store(kc_ptr + slot * stride_kc + cols, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + slot * stride_vc + cols, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v in one launch (instead of two index_copy_).
+    Caches are [num_slots, Hkv, D] (contiguous per slot); k/v [T, Hkv, D] may have strided
+    rows (v is a view of the fused qkv output). Slots are not bounds-checked (a device sync)."""
+    if k.shape != v.shape or k.dim() != 3 or k_cache.shape[1:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"mismatched k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
+    t = k.shape[0]
+    if slots.shape != (t,):
+        raise ValueError(f"slots must be [{t}], got {tuple(slots.shape)}")
+    for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.shape[1] > 1 and x.stride(1) != x.shape[2] or x.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous within a token (heads x head_dim), got strides {x.stride()}")
+    if t == 0:
+        return
+    n_cols = k.shape[1] * k.shape[2]
+    block = min(triton.next_power_of_2(n_cols), _TILE)
+    grid = (t, triton.cdiv(n_cols, block))
+    _store_kv_kernel[grid](k, v, k_cache, v_cache, slots, n_cols, k.stride(0), v.stride(0),
+                           k_cache.stride(0), v_cache.stride(0), BLOCK=block, num_warps=_num_warps(block))

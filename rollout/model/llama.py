@@ -157,10 +157,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, backend: AttentionBackend) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), positions, rotary, backend)
-        h, x = self.post_attention_layernorm.add_norm(a, residual=x)  # x <- x + a; h = norm(x)
-        return x + self.mlp(h)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before it): the next layer (or the final norm) adds
+        the two inside its own norm, one kernel instead of an add and a norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual=residual)  # residual <- residual + x
+        a = self.self_attn(h, positions, rotary, backend)
+        h, residual = self.post_attention_layernorm.add_norm(a, residual=residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -176,10 +183,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, backend)
+        return self.norm.add_norm(x, residual=residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

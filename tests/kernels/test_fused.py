@@ -228,6 +228,37 @@ def test_rotary_inplace(dtype: torch.dtype) -> None:
     assert torch.equal(qkv[:, (n_q + n_kv) * dim :], v0), "v must be untouched"
 
 
+@pytest.mark.parametrize("dtype", DTYPES + ([] if ON_GPU else [torch.bfloat16]), ids=str)
+@pytest.mark.parametrize("kv_heads,dim", [(2, 64), (1, 128), (8, 128)])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_store_kv_writes_both_caches_by_slot(tokens: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    # k contiguous (the rotary output), v a strided view of the fused qkv output; a copy is
+    # exact in any dtype, so bf16 is checked in the interpreter too
+    n_q = 4
+    qkv = torch.randn(tokens, (n_q + 2 * kv_heads) * dim, device=DEVICE).to(dtype)
+    v = qkv[:, (n_q + kv_heads) * dim :].reshape(tokens, kv_heads, dim)
+    k = torch.randn(tokens, kv_heads, dim, device=DEVICE).to(dtype)
+    k_cache = torch.randn(64, kv_heads, dim, device=DEVICE).to(dtype)
+    v_cache = torch.randn(64, kv_heads, dim, device=DEVICE).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(64, device=DEVICE)[:tokens]
+    ref_k.index_copy_(0, slots, k)
+    ref_v.index_copy_(0, slots, v)
+    fused.store_kv(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_store_kv_rejects_mismatches() -> None:
+    cache = torch.zeros(8, 2, 16, device=DEVICE)
+    k = torch.zeros(3, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="mismatched"):
+        fused.store_kv(cache, cache.clone(), torch.arange(3, device=DEVICE), k, torch.zeros(3, 1, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="slots"):
+        fused.store_kv(cache, cache.clone(), torch.arange(2, device=DEVICE), k, k.clone())
+    with pytest.raises(ValueError, match="contiguous"):
+        fused.store_kv(cache, cache.clone(), torch.arange(3, device=DEVICE), k.transpose(0, 1).contiguous().transpose(0, 1), k)
+
+
 # ------------------------------------------------------------ bf16 smoke (interpreter)
 
 
