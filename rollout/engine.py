@@ -244,7 +244,7 @@ class Engine(WeightUpdatesMixin):
         finished, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch is not None else None
-        if self.config.overlap_schedule:
+        if self.config.overlap:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
                 finished.extend(self._read_back(previous))
@@ -271,7 +271,7 @@ class Engine(WeightUpdatesMixin):
         if not samplers:
             return _Launched([], None, None, 0, self.weight_version)
         res = sample(logits, SamplingBatch.from_reqs(samplers, self.model_config.vocab_size, logits.device))
-        if self.config.overlap_schedule:  # only then does a step read tokens it has not seen
+        if self.config.overlap:  # only then does a step read tokens it has not seen
             self.runner.record_tokens([r.req_pool_idx for r in samplers], res.token_ids)
         for req in samplers:
             req.num_inflight += 1
