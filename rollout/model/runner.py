@@ -7,6 +7,7 @@ that sample this step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend
@@ -22,6 +23,7 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.table = table  # [max_requests, max_context] int64, CPU
+        self.table_np = table.numpy()  # the same memory, for cheap row slicing
         self.device = device
         self.graphs: DecodeGraphs | None = None
         # the last token sampled for each request row, on the device (overlap scheduling
@@ -36,9 +38,9 @@ class ModelRunner:
         if batch.num_decode == len(batch.reqs) and all(r.output_ids or r.num_inflight for r in batch.reqs):
             return self._prepare_decode(batch)
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        out_locs: list[torch.Tensor] = []
-        kv_parts: list[torch.Tensor] = []
+        positions: list[np.ndarray] = []
+        out_locs: list[np.ndarray] = []
+        kv_parts: list[np.ndarray] = []
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         num_tokens = 0
@@ -52,8 +54,8 @@ class ModelRunner:
                 input_ids.append(req.output_ids[-1])  # decode: skip building all_ids
             else:
                 input_ids.extend(req.all_ids[start:end])
-            row = self.table[req.req_pool_idx]
-            positions.append(torch.arange(start, end))
+            row = self.table_np[req.req_pool_idx]
+            positions.append(np.arange(start, end, dtype=np.int64))
             out_locs.append(row[start:end])
             kv_parts.append(row[:end])
             seq_lens.append(end)
@@ -61,24 +63,25 @@ class ModelRunner:
             if batch.produces_token(i):
                 logits_indices.append(num_tokens - 1)
         return self._finish(
-            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), torch.cat(out_locs), torch.cat(kv_parts),
+            torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(np.concatenate(positions)),
+            torch.from_numpy(np.concatenate(out_locs)), torch.from_numpy(np.concatenate(kv_parts)),
             torch.tensor(logits_indices, dtype=torch.int64), batch, seq_lens, inflight,
         )
 
     def _prepare_decode(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Decode-only step (the common case): one vectorized gather from the request table
-        instead of per-request slicing, so host time stays flat as the batch grows."""
+        """Decode-only step (the common case): the KV slot lists are row slices of the
+        request table joined by numpy (a torch boolean-mask gather of the padded [B, L]
+        block measured ~7x slower at batch 256), so host time stays small as batches grow."""
         reqs = batch.reqs
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        rows = [r.req_pool_idx for r in reqs]
         seq_lens = [r.seq_len for r in reqs]
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        table = self.table[rows, : max(seq_lens)]  # [B, max_len]
-        valid = torch.arange(table.shape[1])[None, :] < lens[:, None]
-        positions = lens - 1
+        positions = np.asarray(seq_lens, dtype=np.int64) - 1
+        table = self.table_np
+        kv_indices = np.concatenate([table[row, :n] for row, n in zip(rows, seq_lens)])
         inflight = [(i, r.req_pool_idx) for i, r in enumerate(reqs) if r.num_inflight]
         return self._finish(
-            torch.tensor([0 if r.num_inflight else r.output_ids[-1] for r in reqs], dtype=torch.int64), positions,
-            table.gather(1, positions[:, None])[:, 0], table[valid],
+            torch.tensor([0 if r.num_inflight else r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            torch.from_numpy(positions), torch.from_numpy(table[rows, positions]), torch.from_numpy(kv_indices),
             torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens, inflight,
         )
 
