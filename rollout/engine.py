@@ -73,13 +73,20 @@ class Engine(WeightUpdatesMixin):
         self.scheduler = Scheduler(config, self.kv)
         backend = make_backend(config.attention, self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
         self.runner = ModelRunner(self.model, backend, self.req_pool.table, self.device)
-        log.info("KV cache: %d tokens (%d pages of %d) on %s", self.kv.capacity,
-                 self.kv_pool.allocator.num_pages - 1, config.page_size, self.device)
+        log.info("KV cache: %d tokens fit (%d pages of %d, %.1f GiB) on %s", self.kv.capacity,
+                 self.kv_pool.allocator.num_pages - 1, config.page_size,
+                 2 * sum(b.numel() * b.element_size() for b in self.kv_pool.k_buffers) / 2**30, self.device)
         if self.device.type == "cuda" and config.cuda_graph and getattr(backend, "graphable", False):
             max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
             start = time.perf_counter()
             self.runner.capture_decode_graphs(max_bs, min(self.context_len, self.kv.capacity))
             log.info("captured decode CUDA graphs for batch sizes up to %d in %.1f s", max_bs, time.perf_counter() - start)
+        if self.device.type == "cuda":
+            # The KV pool is sized first (graphs bake its addresses in); the 1 - fraction left
+            # holds graphs, attention workspace and activations: say what remains of it.
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            log.info("GPU memory after KV, graphs and workspace: %.1f GiB free for activations", free / 2**30)
 
         self.weight_version = 0
         self.counters = Counters()
