@@ -42,6 +42,8 @@ class EngineConfig:
     # Load a tokenizer from the checkpoint dir when present (needed for prompts=, text, stop strings).
     load_tokenizer: bool = True
     seed: int = 0
+    # torch intra-op threads (process-wide). None: left alone on CPU; 1 on CUDA, where the host
+    # only runs small tensor ops and idle OpenMP workers compete with the scheduler for cores.
     num_threads: int | None = None
 
     def __post_init__(self) -> None:

@@ -49,9 +49,14 @@ _PAUSE_MODES = ("wait", "abort", "retract")
 class Engine(WeightUpdatesMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
+        elif self.device.type == "cuda" and torch.get_num_threads() > 1:
+            # The host side of a GPU step is small tensor ops and Python; a pool of OpenMP
+            # workers only competes with the scheduler for cores (vLLM's workers do the same).
+            log.info("torch intra-op threads %d -> 1 (EngineConfig.num_threads overrides)", torch.get_num_threads())
+            torch.set_num_threads(1)
         self.model_config = ModelConfig.from_dir(config.model)
         cfg = self.model_config
         self.context_len = cfg.max_position_embeddings

@@ -8,7 +8,8 @@ weights of a benchmark shape), then
      launch, read-back wait, read-back work) and the device time per step (CUDA events);
   3. prints a cProfile of the steps, top functions by own time.
 
-    python -m scripts.diag_host --specs 1:flashinfer:on 256:flashinfer:on [--shape llama8b]
+    python -m scripts.diag_host --specs 1:flashinfer:on 256:flashinfer:on:16 [--shape llama8b]
+    (spec: batch:attention:overlap[:torch threads])
 """
 
 from __future__ import annotations
@@ -116,13 +117,15 @@ def main() -> None:
     (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[args.shape]))
     vocab = SHAPES[args.shape]["vocab_size"]
     for spec in args.specs:
-        batch, attention, overlap = spec.split(":")
+        batch, attention, overlap, *threads = spec.split(":")  # optional 4th field: torch threads
         batch = int(batch)
         engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy", page_size=16,
                                      max_running_requests=max(batch, 1), gpu_memory_fraction=0.5, attention=attention,
-                                     cuda_graph_max_bs=max(batch, 1), overlap_schedule=overlap == "on"))
+                                     cuda_graph_max_bs=max(batch, 1), overlap_schedule=overlap == "on",
+                                     num_threads=int(threads[0]) if threads else None))
         fill(engine, batch, args.input_len, vocab, steps=10 * args.steps)
-        print(f"\n=== batch {batch}, attention {engine.runner.backend.name}, overlap {overlap} ===", flush=True)
+        print(f"\n=== batch {batch}, attention {engine.runner.backend.name}, overlap {overlap}, "
+              f"torch threads {torch.get_num_threads()} ===", flush=True)
         sites = sync_sites(engine, 5)
         print("host<-device syncs in 5 steps:" + ("" if sites else " none"))
         for site, n in sites.most_common(12):
