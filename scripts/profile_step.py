@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-graph", action="store_true", help="profile eager decode instead of CUDA graphs")
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--trace", default=None, help="also write the profiled steps as a chrome trace (JSON) here")
     parser.add_argument("--overlap", action="store_true", help="overlap scheduling on (phases are then not split)")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     args = parser.parse_args()
@@ -91,6 +92,8 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         sync()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=args.top))
 
 
