@@ -273,7 +273,10 @@ class Engine(WeightUpdatesMixin):
         self._count_admissions(batch)
         fb = self.runner.prepare(batch)
         logits = self.runner.forward(fb)
-        samplers = [r for i, r in enumerate(batch.reqs) if batch.produces_token(i)]
+        if batch.num_decode == len(batch.reqs):  # decode-only: every request samples
+            samplers = list(batch.reqs)
+        else:
+            samplers = [r for i, r in enumerate(batch.reqs) if batch.produces_token(i)]
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.num_computed_tokens += n
             self.counters.computed_tokens += n

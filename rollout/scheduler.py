@@ -95,12 +95,14 @@ class Scheduler:
         decodes: list[tuple[Req, int]] = []
         extends: list[tuple[Req, int]] = []
         retracted: list[Req] = []
+        gone: set[int] = set()  # ids of requests retracted earlier in this loop (O(1) test)
         for req in list(self.running):
-            if req not in self.running:  # retracted earlier in this loop
+            if gone and id(req) in gone:
                 continue
-            if req.num_inflight and len(req.output_ids) + req.num_inflight >= req.params.max_new_tokens:
+            seq_len = req.seq_len
+            if req.num_inflight and seq_len - len(req.prompt_ids) >= req.params.max_new_tokens:
                 continue  # its last token is already in flight: nothing more to compute
-            need = req.seq_len - req.num_computed_tokens
+            need = seq_len - req.num_computed_tokens
             n = 1 if need == 1 else min(need, budget)
             if n <= 0:
                 continue  # a chunked prefill waits for budget; it keeps its KV
@@ -108,16 +110,17 @@ class Scheduler:
                 victim = self.running[-1]  # newest; older ones are already in the batch
                 self.retract(victim)
                 retracted.append(victim)
+                gone.add(id(victim))
                 if victim is req:
                     break
-            if req not in self.running:
+            if gone and id(req) in gone:
                 continue
             if need > 1:
                 budget -= n
             # a decode is one token that completes the request's known tokens; a 1-token
             # prefill chunk is an extend (it samples nothing)
             (decodes if n == need == 1 else extends).append((req, n))
-        if not retracted:
+        if not retracted and self.waiting:
             # Don't admit in a step that had to retract: memory is already short.
             budget = self._admit(budget, decodes, extends)
         if not decodes and not extends:

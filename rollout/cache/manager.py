@@ -90,7 +90,11 @@ class KVManager:
 
     def extend(self, req: Req, new_len: int) -> bool:
         """Make sure slots exist for positions [0, new_len) of a running request."""
-        if new_len <= req.num_allocated_slots:
+        have = req.num_allocated_slots
+        if new_len <= have:
+            return True
+        if new_len <= -(-have // self.page_size) * self.page_size:  # inside its last page: no new page
+            req.num_allocated_slots = new_len
             return True
         if not self._ensure_pages(self.pages_to_extend(req, new_len)):
             return False
