@@ -1,0 +1,36 @@
+"""The benchmark and diagnosis scripts run end to end on CPU (tiny shape), so a change to the
+engine cannot silently break the commands BENCHMARKS.md and README name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: int = 300) -> str:
+    out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def test_bench_host_prints_its_phases() -> None:
+    text = _run("scripts.bench_host", "--batch", "16", "--input-len", "64", "--steps", "10")
+    for phase in ("schedule", "prepare", "_read_back", "total"):
+        assert phase in text
+
+
+def test_bench_rollout_runs_each_config_on_cpu() -> None:
+    text = _run("scripts.bench_rollout", "--shape", "tiny", "--device", "cpu", "--attention", "torch",
+                "--overlap", "on", "off", "--workloads", "b")
+    rows = [line for line in text.splitlines() if line.startswith("b: batch 1") and "|" in line]  # the table
+    assert len(rows) == 2 and "[torch, overlap]" in rows[0] and "[torch]" in rows[1], text[-1500:]
+
+
+def test_profile_step_smoke_on_cpu(tmp_path) -> None:
+    trace = tmp_path / "trace.json"
+    text = _run("scripts.profile_step", "--shape", "tiny", "--device", "cpu", "--batch", "4", "--steps", "2",
+                "--top", "3", "--trace", str(trace))
+    assert "ms per decode step" in text and trace.stat().st_size > 0
