@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 
 
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (CPU) in pinned memory when it is bound for a CUDA device, else as is: for callers
+    that hand CPU tensors to a library that copies them with non_blocking=True."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return pinned(t, device).to(device, non_blocking=True)

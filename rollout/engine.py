@@ -21,8 +21,8 @@ from rollout.cache.kv_pool import KVPool, ReqToTokenPool
 from rollout.cache.manager import KVManager
 from rollout.config import EngineConfig
 from rollout.metrics import Counters, EngineStats
+from rollout.model.build import build_model, init_random_weights
 from rollout.model.config import ModelConfig
-from rollout.model.llama import LlamaModel
 from rollout.model.loader import apply_writes, iter_checkpoint, load_weights, plan_writes
 from rollout.model.runner import ModelRunner
 from rollout.request import Req, RolloutOutput, SamplingParams, derive_seed
@@ -60,9 +60,9 @@ class Engine(WeightUpdatesMixin):
         self.model_config = ModelConfig.from_dir(config.model)
         cfg = self.model_config
         self.context_len = cfg.max_position_embeddings
-        self.model = _build_model(cfg, self.context_len, config.torch_dtype, self.device)
+        self.model = build_model(cfg, self.context_len, config.torch_dtype, self.device)
         if config.load_format == "dummy":
-            _init_random(self.model, config.seed)
+            init_random_weights(self.model, config.seed)
         else:
             load_weights(self.model, iter_checkpoint(config.model), full=True)
         self.tokenizer = _load_tokenizer(config.model) if config.load_tokenizer else None
@@ -273,10 +273,7 @@ class Engine(WeightUpdatesMixin):
         self._count_admissions(batch)
         fb = self.runner.prepare(batch)
         logits = self.runner.forward(fb)
-        if batch.num_decode == len(batch.reqs):  # decode-only: every request samples
-            samplers = list(batch.reqs)
-        else:
-            samplers = [r for i, r in enumerate(batch.reqs) if batch.produces_token(i)]
+        samplers = batch.samplers()
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.num_computed_tokens += n
             self.counters.computed_tokens += n
@@ -460,34 +457,6 @@ class Engine(WeightUpdatesMixin):
         if self.scheduler.running:
             raise RuntimeError("flush_cache: requests are running")
         self.kv.flush()
-
-
-def _build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    # Build directly in the target dtype on the target device: an 8B model built in fp32
-    # on the CPU first would cost 32 GB and minutes.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaModel(cfg, max_positions)
-    finally:
-        torch.set_default_dtype(previous)
-    # rope tables stay float32 whatever the weights are
-    model.rotary.to(torch.float32)
-    return model.eval()
-
-
-@torch.no_grad()
-def _init_random(model: LlamaModel, seed: int) -> None:
-    """Random weights (std 0.02, norms at 1), drawn on the model's device."""
-    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, 0.02, generator=gen)
 
 
 def _load_tokenizer(path: str):

@@ -34,6 +34,12 @@ class ScheduledBatch:
         req = self.reqs[i]
         return req.num_computed_tokens + self.extend_lens[i] == req.seq_len
 
+    def samplers(self) -> list[Req]:
+        """The requests that sample this step, in batch order."""
+        if self.num_decode == len(self.reqs):  # decode-only: a decode always samples
+            return list(self.reqs)
+        return [r for i, r in enumerate(self.reqs) if self.produces_token(i)]
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager) -> None:

@@ -27,6 +27,7 @@ def main() -> None:
 
     from rollout import Engine, EngineConfig, SamplingParams
     from scripts.bench_rollout import SHAPES
+    from scripts.steady import PhaseTimer, run_to_decode
 
     model_dir = tempfile.mkdtemp(prefix="bench-host-")
     (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES["tiny"]))
@@ -36,8 +37,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for p in torch.randint(100, 400, (args.batch, args.input_len), generator=g).tolist():
         engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=args.steps + 50, ignore_eos=True))
-    while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
-        engine.step()
+    run_to_decode(engine)
     assert len(engine.scheduler.running) == args.batch, "the KV pool must hold the whole batch"
 
     cached: dict[int, torch.Tensor] = {}
@@ -50,21 +50,9 @@ def main() -> None:
         return cached[n]
 
     engine.runner.forward = cached_forward
-    phases: dict[str, float] = {}
-
-    def timed(obj, name: str) -> None:
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
-            return out
-        setattr(obj, name, wrapper)
-
-    timed(engine.scheduler, "schedule")
-    timed(engine.runner, "prepare")
-    timed(engine, "_read_back")
+    timer = PhaseTimer()
+    for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "prepare"), (engine, "_read_back")):
+        timer.add(obj, name)
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -72,8 +60,8 @@ def main() -> None:
     print(f"host per decode step, batch {args.batch}, context ~{args.input_len}, page {args.page_size}, "
           f"torch threads {torch.get_num_threads()}")
     for name in ("schedule", "prepare", "_read_back"):
-        print(f"  {name:<22} {1e3 * phases[name] / args.steps:6.2f} ms")
-    print(f"  {'rest (sample, pack)':<22} {1e3 * (total - sum(phases.values())) / args.steps:6.2f} ms")
+        print(f"  {name:<22} {1e3 * timer.seconds[name] / args.steps:6.2f} ms")
+    print(f"  {'rest (sample, pack)':<22} {1e3 * (total - sum(timer.seconds.values())) / args.steps:6.2f} ms")
     print(f"  {'total':<22} {1e3 * total / args.steps:6.2f} ms")
 
 

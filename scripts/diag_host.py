@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from scripts.steady import PhaseTimer, run_to_decode
+
 
 def fill(engine, batch: int, input_len: int, vocab: int, steps: int) -> None:
     from rollout import SamplingParams
@@ -36,10 +38,7 @@ def fill(engine, batch: int, input_len: int, vocab: int, steps: int) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
-    while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
-        engine.step()
-    for _ in range(5):
-        engine.step()
+    run_to_decode(engine, warm_steps=5)
 
 
 def sync_sites(engine, steps: int) -> Counter:
@@ -65,24 +64,11 @@ def sync_sites(engine, steps: int) -> Counter:
 
 
 def host_phases(engine, steps: int) -> dict[str, float]:
-    phases: Counter = Counter()
-    runner, sched = engine.runner, engine.scheduler
-
-    def timed(obj, name, key):
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            phases[key] += time.perf_counter() - t
-            return out
-        setattr(obj, name, wrapper)
-        return fn
-
-    originals = [(sched, "schedule", timed(sched, "schedule", "schedule")),
-                 (runner, "prepare", timed(runner, "prepare", "prepare")),
-                 (runner, "forward", timed(runner, "forward", "forward (launch)")),
-                 (engine, "_read_back", timed(engine, "_read_back", "read back (wait + work)"))]
+    timer = PhaseTimer()
+    timer.add(engine.scheduler, "schedule")
+    timer.add(engine.runner, "prepare")
+    timer.add(engine.runner, "forward", "forward (launch)")
+    timer.add(engine, "_read_back", "read back (wait + work)")
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start_ev.record()
@@ -92,8 +78,8 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     wall = time.perf_counter() - t0
     end_ev.record()
     torch.cuda.synchronize()
-    for obj, name, fn in originals:
-        setattr(obj, name, fn)
+    timer.restore()
+    phases = timer.seconds
     out = {k: 1e3 * v / steps for k, v in phases.items()}
     out["launch rest (sample, pack, D2H)"] = 1e3 * wall / steps - sum(out.values())
     out["= wall per step"] = 1e3 * wall / steps

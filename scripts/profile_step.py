@@ -35,6 +35,7 @@ def main() -> None:
 
     from rollout import Engine, EngineConfig, SamplingParams
     from scripts.bench_rollout import SHAPES
+    from scripts.steady import PhaseTimer, run_to_decode
 
     model_dir = tempfile.mkdtemp(prefix=f"profile-{args.shape}-")
     (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[args.shape]))
@@ -49,44 +50,28 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
-    while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
-        engine.step()  # prefill until every request decodes
-    for _ in range(3):
-        engine.step()  # warm the decode path
+    run_to_decode(engine, warm_steps=3)  # prefill until every request decodes, then warm the decode path
 
-    phases = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample+bookkeeping": 0.0}
-    runner, scheduler = engine.runner, engine.scheduler
-    orig_schedule, orig_prepare, orig_forward = scheduler.schedule, runner.prepare, runner.forward
-
-    sync_device = sync
-
-    def timed(name, fn, sync=False):
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            out = fn(*a, **k)
-            if sync:
-                sync_device()
-            phases[name] += time.perf_counter() - start
-            return out
-        return wrapper
-
+    timer = PhaseTimer()
     if not args.overlap:  # a sync after forward would defeat overlap: time whole steps only then
-        scheduler.schedule = timed("schedule", orig_schedule)
-        runner.prepare = timed("prepare", orig_prepare)
-        runner.forward = timed("forward", orig_forward, sync=True)
+        timer.add(engine.scheduler, "schedule")
+        timer.add(engine.runner, "prepare")
+        timer.add(engine.runner, "forward", after=sync)
     sync()
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     total = time.perf_counter() - start
-    phases["sample+bookkeeping"] = total - sum(v for k, v in phases.items() if k != "sample+bookkeeping")
+    timer.restore()
+    phases = dict(timer.seconds)
+    if phases:
+        phases["sample+bookkeeping"] = total - sum(phases.values())
     print(f"\n{args.shape} {engine.config.dtype}, batch {args.batch}, context ~{args.input_len}, graphs {engine.runner.graphs is not None}, "
           f"attention {engine.runner.backend.name}, overlap {args.overlap}: "
           f"{1e3 * total / args.steps:.2f} ms per decode step")
-    for name, secs in phases.items() if not args.overlap else ():
+    for name, secs in phases.items():
         print(f"  {name:<20} {1e3 * secs / args.steps:8.2f} ms")
 
-    scheduler.schedule, runner.prepare, runner.forward = orig_schedule, orig_prepare, orig_forward
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):

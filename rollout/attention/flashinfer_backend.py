@@ -28,15 +28,10 @@ import torch
 from rollout.attention.base import AttentionBackend
 from rollout.attention.page_table import PageTable, page_table
 from rollout.cache.kv_pool import KVPool
+from rollout.device import pinned
 from rollout.model.forward_batch import ForwardBatch
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial outputs; FlashInfer recommends >= 128 MB
-
-
-def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # plan() copies its CPU index arrays to the device with non_blocking=True; from pinned
-    # memory that copy is truly async (from pageable memory it would stall the stream)
-    return t.pin_memory() if device.type == "cuda" else t
 
 
 class _Planned:
@@ -77,13 +72,13 @@ class FlashInferAttention(AttentionBackend):
         self.graph_decode: dict[int, _Planned] = {}
         self._graph_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.active_decode: _Planned | None = None
-        self.has_extend = False
 
     def _kw(self) -> dict:
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
 
     def _plan_decode(self, planned: _Planned, pt: PageTable) -> None:
-        planned.plan(self.device, _pinned(pt.indptr, self.device), pt.indices, _pinned(pt.last_page_len, self.device),
+        # plan() copies its CPU index arrays with non_blocking=True: pinned, that copy is async
+        planned.plan(self.device, pinned(pt.indptr, self.device), pt.indices, pinned(pt.last_page_len, self.device),
                      self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, **self._kw())
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -94,14 +89,13 @@ class FlashInferAttention(AttentionBackend):
         if nd:
             self._plan_decode(self.decode, pt.rows(0, nd))
             self.active_decode = self.decode
-        self.has_extend = nd < bsz
-        if self.has_extend:
+        if nd < bsz:
             ext = pt.rows(nd, bsz)
             qo = torch.zeros(bsz - nd + 1, dtype=torch.int32)
             qo[1:] = torch.tensor(batch.extend_lens[nd:], dtype=torch.int32).cumsum(0)
             self.prefill.plan(
-                self.device, _pinned(qo, self.device), _pinned(ext.indptr, self.device), ext.indices,
-                _pinned(ext.last_page_len, self.device), self.num_heads, self.num_kv_heads, self.head_dim,
+                self.device, pinned(qo, self.device), pinned(ext.indptr, self.device), ext.indices,
+                pinned(ext.last_page_len, self.device), self.num_heads, self.num_kv_heads, self.head_dim,
                 self.page_size, causal=True, **self._kw(),
             )
 
@@ -135,7 +129,7 @@ class FlashInferAttention(AttentionBackend):
         if bs not in self.graph_decode:
             planned = self._graph_wrapper(bs, max_context)
             self._plan_decode(planned, self._padded(None, bs))
-        self.active_decode, self.has_extend = self.graph_decode[bs], False
+        self.active_decode = self.graph_decode[bs]
 
     def plan_replay(self, batch: ForwardBatch, bs: int) -> None:
         """Before replaying the graph of size bs for this decode-only batch."""
@@ -166,5 +160,5 @@ class FlashInferAttention(AttentionBackend):
         nd = batch.num_decode
         if self.active_decode is not None and nd:
             self.active_decode.wrapper.run(q[:nd], kv, out=out[:nd])
-        if self.has_extend:
+        if nd < batch.batch_size:
             self.prefill.wrapper.run(q[nd:], kv, out=out[nd:])

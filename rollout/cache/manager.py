@@ -90,13 +90,10 @@ class KVManager:
 
     def extend(self, req: Req, new_len: int) -> bool:
         """Make sure slots exist for positions [0, new_len) of a running request."""
-        have = req.num_allocated_slots
-        if new_len <= have:
+        if new_len <= req.num_allocated_slots:
             return True
-        if new_len <= -(-have // self.page_size) * self.page_size:  # inside its last page: no new page
-            req.num_allocated_slots = new_len
-            return True
-        if not self._ensure_pages(self.pages_to_extend(req, new_len)):
+        pages = self.pages_to_extend(req, new_len)  # 0 while growing inside its last page
+        if pages and not self._ensure_pages(pages):
             return False
         self._alloc(req, new_len)
         return True

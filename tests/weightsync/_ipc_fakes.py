@@ -136,3 +136,12 @@ def _serving(receiver: CudaIpcReceiver, engine: FakeEngine) -> tuple[threading.T
 
 def _endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+def _model(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A small mixed-dtype state dict, different per seed."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = [(f"layers.{i}.weight", torch.randn(16, 8, generator=generator)) for i in range(6)]
+    weights.append(("norm.weight", torch.randn(7, generator=generator).bfloat16()))
+    weights.append(("step", torch.tensor(seed)))
+    return weights

@@ -1,0 +1,44 @@
+"""Shared by the step-level diagnosis scripts (profile_step, diag_host, bench_host): bring
+an engine to steady decode, and time named engine methods in place."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def run_to_decode(engine, warm_steps: int = 0) -> None:
+    """Step until every queued request has its first token (prefill done), then a few more."""
+    while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+
+
+class PhaseTimer:
+    """Wraps methods (`add(obj, "schedule")`) to add their wall time to `seconds[key]`;
+    `after` (a device sync, say) runs inside the timed span. `restore()` unwraps them all."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._originals: list[tuple[object, str, Callable]] = []
+
+    def add(self, obj: object, name: str, key: str | None = None, after: Callable[[], None] | None = None) -> None:
+        fn, key = getattr(obj, name), key or name
+        self.seconds.setdefault(key, 0.0)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if after is not None:
+                after()
+            self.seconds[key] += time.perf_counter() - start
+            return out
+
+        setattr(obj, name, wrapper)
+        self._originals.append((obj, name, fn))
+
+    def restore(self) -> None:
+        for obj, name, fn in reversed(self._originals):
+            setattr(obj, name, fn)
+        self._originals.clear()
