@@ -8,6 +8,7 @@ in each child would triple this test's time. Children report through files (safe
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -96,6 +97,12 @@ def _rank_main(rank: int, out_dir: str) -> None:
         # abort the process ("terminate called without an active exception").
         dist.barrier()
         dist.destroy_process_group()
+    # Leave without interpreter finalization: FSDP2 can still hold gloo work objects whose
+    # tensors are freed during finalization, after the GIL is gone, and the process then
+    # aborts ("terminate called without an active exception", ~1 run in 10 here; see
+    # pytorch/pytorch#179291). Everything this test checks is in the report by now; an
+    # exception above skips this line and still fails the rank.
+    os._exit(0)
 
 
 @pytest.mark.skipif(_fsdp_supported() is not None, reason=str(_fsdp_supported()))
