@@ -18,8 +18,8 @@ class EngineConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
-    # KV memory: a token budget. None -> on CPU 64k tokens (capped by max_kv_gib), on GPU
-    # what fits in `gpu_memory_fraction` of the memory left after the weights.
+    # KV memory: a token budget. None -> on CPU 32768 tokens, on GPU what fits in
+    # `gpu_memory_fraction` of the memory left after the weights.
     max_total_tokens: int | None = None
     gpu_memory_fraction: float = 0.85
     page_size: int = 1

@@ -18,7 +18,7 @@ class Counters:
     finished_requests: int = 0
     aborted_requests: int = 0
     retractions: int = 0
-    forward_seconds: float = 0.0  # wall time inside step(): schedule, forward, sample, bookkeeping
+    step_seconds: float = 0.0  # wall time inside step(): schedule, forward, sample, read back, bookkeeping
 
 
 @dataclass(frozen=True)

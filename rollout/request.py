@@ -11,6 +11,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rollout.validate import check_bool, check_float, check_int, check_str
+
 if TYPE_CHECKING:
     from rollout.cache.radix import TreeNode
 
@@ -36,28 +38,38 @@ class SamplingParams:
     top_logprobs: int = 0  # > 0: also return the k most likely tokens per position
 
     def __post_init__(self) -> None:
-        # Lists are accepted for convenience but stored as tuples (frozen, hashable).
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
+        # Every field is checked for type and range, floats for finiteness (NaN passes any
+        # `<` test); lists are accepted for convenience but stored as tuples (frozen, hashable).
+        f = "SamplingParams."
+        set_ = object.__setattr__
+        set_(self, "temperature", check_float(self.temperature, f + "temperature"))
+        set_(self, "top_p", check_float(self.top_p, f + "top_p"))
+        set_(self, "min_p", check_float(self.min_p, f + "min_p"))
+        check_int(self.top_k, f + "top_k", min=-1)
+        check_int(self.max_new_tokens, f + "max_new_tokens", min=1)
+        check_int(self.n, f + "n", min=1)
+        check_int(self.top_logprobs, f + "top_logprobs", min=0)
+        if self.seed is not None:
+            check_int(self.seed, f + "seed")
+        check_bool(self.ignore_eos, f + "ignore_eos")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            raise TypeError(f"{f}stop_token_ids={self.stop_token_ids!r}: expected a list of token ids")
+        set_(self, "stop_token_ids", tuple(check_int(t, f"{f}stop_token_ids[{i}]", min=0)
+                                           for i, t in enumerate(self.stop_token_ids)))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)):
+            raise TypeError(f"{f}stop={self.stop!r}: expected a string or a list of strings")
+        set_(self, "stop", tuple(check_str(s, f"{f}stop[{i}]") for i, s in enumerate(stop)))
         if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
+            raise ValueError(f"{f}temperature={self.temperature}: must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be -1 (off) or >= 1")
+            raise ValueError(f"{f}top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k == 0:
+            raise ValueError(f"{f}top_k={self.top_k}: must be -1 (off) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p={self.min_p}: must be in [0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n={self.n}: must be >= 1")
+            raise ValueError(f"{f}min_p={self.min_p}: must be in [0, 1]")
         if self.logprobs_mode not in _LOGPROB_MODES:
-            raise ValueError(f"SamplingParams.logprobs_mode={self.logprobs_mode!r}: expected one of {_LOGPROB_MODES}")
-        if self.top_logprobs < 0:
-            raise ValueError(f"SamplingParams.top_logprobs={self.top_logprobs}: must be >= 0")
-        if any(not s for s in self.stop):
-            raise ValueError("SamplingParams.stop: stop strings must be non-empty")
+            raise ValueError(f"{f}logprobs_mode={self.logprobs_mode!r}: expected one of {_LOGPROB_MODES}")
 
     @property
     def greedy(self) -> bool:
@@ -88,20 +100,19 @@ class Req:
     # (weight_version, first output index, end output index) for each run of tokens
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_text_end: int | None = None  # where to cut the text when a stop string matched
 
     # KV bookkeeping, by counters: tokens [0, num_computed_tokens) of all_ids have KV.
     num_computed_tokens: int = 0
     num_prefix_tokens: int = 0  # leading slots owned by the radix tree (locked via last_node)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    # Prompt tokens served from the prefix cache (or a fork) on first admission; None until
+    # then, which is also how the engine knows a request's first admission.
+    num_cached_tokens: int | None = None
     num_allocated_slots: int = 0
     # Overlap scheduling: tokens sampled on the device whose values the host reads one step
     # later; the scheduler counts them (seq_len) and the runner feeds them from the device.
     num_inflight: int = 0
     req_pool_idx: int | None = None
     last_node: TreeNode | None = None
-    admitted_once: bool = False
-    counted: bool = False  # prompt tokens already added to the engine's counters
 
     # n > 1: siblings wait for the first sample (the leader) to prefill the prompt,
     # then fork off its KV and its last-position logits instead of recomputing them.
@@ -164,7 +175,7 @@ class RolloutOutput:
             logprobs=list(req.logprobs),
             finish_reason=req.finish_reason or "abort",
             text=text,
-            num_cached_tokens=req.num_cached_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
             weight_version=req.version_spans[-1][0] if req.version_spans else current_version,
             weight_versions=list(req.version_spans),
             top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,

@@ -12,6 +12,7 @@ resume later: nothing is dropped or truncated.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -48,7 +49,6 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order, oldest first
         self._arrival = count()
-        self.num_retractions = 0
 
     # ---- queue management ---------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -87,10 +87,10 @@ class Scheduler:
         self.running.remove(req)
         self.kv.release(req)
         self.waiting.appendleft(req)
-        self.num_retractions += 1
 
-    def retract_all(self) -> list[Req]:
-        victims = list(reversed(self.running))
+    def retract_all(self, which: Callable[[Req], bool] | None = None) -> list[Req]:
+        """Retract every running request (or those `which` selects), newest first."""
+        victims = [r for r in reversed(self.running) if which is None or which(r)]
         for req in victims:
             self.retract(req)
         return victims

@@ -88,3 +88,12 @@ def llama(tmp_path_factory) -> TinyModel:
 def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def grow_slots(alloc, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """A request's slots grown by n positions as KVManager does: the rest of its partial last
+    page first (already its own), then whole new pages from the allocator."""
+    start, ps = slots.numel(), alloc.page_size
+    take = min((ps - start % ps) % ps, n)
+    fill = torch.arange(int(slots[-1]) + 1, int(slots[-1]) + 1 + take, dtype=torch.int64) if take else slots[:0]
+    return torch.cat([slots, fill, alloc.slots_for_positions(start + take, start + n)])

@@ -67,4 +67,4 @@ def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, see
     tight.flush_cache()
     alloc = tight.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages - 1, "KV pages leaked"
-    assert tight.req_pool.num_free == tight.req_pool.max_requests, "request rows leaked"
+    assert tight.kv.req_table.num_free == tight.kv.req_table.max_requests, "request rows leaked"

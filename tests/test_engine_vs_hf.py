@@ -25,7 +25,7 @@ def assert_all_memory_free(engine: Engine) -> None:
     engine.flush_cache()
     alloc = engine.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages - 1, "KV pages leaked"
-    assert engine.req_pool.num_free == engine.req_pool.max_requests, "request rows leaked"
+    assert engine.kv.req_table.num_free == engine.kv.req_table.max_requests, "request rows leaked"
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.cache.kv_pool import KVPool, ReqToTokenPool
+from rollout.cache.kv_pool import KVPool, ReqSlotTable
 from rollout.cache.manager import KVManager
 from rollout.config import EngineConfig
 from rollout.request import Req, SamplingParams
@@ -15,7 +15,7 @@ from rollout.scheduler import Scheduler
 def make(max_tokens: int = 256, budget: int = 16, page_size: int = 1) -> Scheduler:
     cfg = EngineConfig(model="unused", max_prefill_tokens=budget, page_size=page_size, max_total_tokens=max_tokens)
     pool = KVPool(1, 1, 4, max_tokens, page_size, torch.float32, "cpu")
-    return Scheduler(cfg, KVManager(pool, ReqToTokenPool(8, max_tokens + page_size), enable_radix=True))
+    return Scheduler(cfg, KVManager(pool, ReqSlotTable(8, max_tokens + page_size), enable_radix=True))
 
 
 def req(rid: str, n: int) -> Req:

@@ -18,6 +18,9 @@ from rollout.model.forward_batch import ForwardBatch
 
 class AttentionBackend(ABC):
     name = "base"
+    # Can its kernels run inside a CUDA graph: do they read only device tensors (at
+    # addresses fixed by plan_capture) once captured, with no host-side decisions per step?
+    graphable = False
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.pool = pool

@@ -71,29 +71,22 @@ class PageAllocator:
             raise RuntimeError("free_slots: run does not start on a page boundary")
         self.free_pages((slots[::ps] // ps).tolist())
 
-    def slots_for_positions(self, last_slot: int | None, start: int, end: int) -> torch.Tensor:
-        """Slots for positions [start, end) of a request whose slot at position start-1 is
-        `last_slot`: fill the rest of that page, then take new pages."""
-        ps = self.page_size
-        n = end - start
+    def slots_for_positions(self, start: int, end: int) -> torch.Tensor:
+        """Slots for positions [start, end) of a request, on new whole pages: `start` is
+        page-aligned (a request's partial last page is already its own, so growth inside
+        it needs no allocation; see KVManager._alloc)."""
+        ps, n = self.page_size, end - start
         if n <= 0:
             return torch.empty(0, dtype=torch.int64)
+        if start % ps:
+            raise ValueError(f"slots_for_positions: start {start} is not a multiple of page_size {ps}")
         if ps == 1:
             return torch.tensor(self.alloc_pages(n), dtype=torch.int64)
-        parts: list[torch.Tensor] = []
-        in_page = (ps - start % ps) % ps if start % ps else 0
-        take = min(in_page, n)
-        if take:
-            assert last_slot is not None
-            parts.append(torch.arange(last_slot + 1, last_slot + 1 + take, dtype=torch.int64))
-        rest = n - take
-        if rest:
-            num_pages = -(-rest // ps)
-            if num_pages > len(self._free):
-                raise OutOfSlots(f"need {num_pages} pages, {len(self._free)} free")
-            pages = torch.tensor(self.alloc_pages(num_pages), dtype=torch.int64)
-            parts.append((pages[:, None] * ps + torch.arange(ps)).reshape(-1)[:rest])
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        num_pages = -(-n // ps)
+        if num_pages > len(self._free):
+            raise OutOfSlots(f"need {num_pages} pages, {len(self._free)} free")
+        pages = torch.tensor(self.alloc_pages(num_pages), dtype=torch.int64)
+        return (pages[:, None] * ps + torch.arange(ps)).reshape(-1)[:n]
 
     def pages_needed(self, start: int, end: int) -> int:
         """New pages for positions [start, end): the page holding position start-1 is
@@ -144,8 +137,8 @@ class KVPool:
             v[dst] = v[src]
 
 
-class ReqToTokenPool:
-    """Request row -> slot of each position. CPU int64: the scheduler reads and writes it
+class ReqSlotTable:
+    """Request row -> KV slot of each of its positions. CPU int64: the scheduler reads and writes it
     every step, and the runner ships only the slices a batch needs to the device."""
 
     def __init__(self, max_requests: int, max_context_len: int) -> None:

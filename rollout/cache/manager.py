@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from rollout.cache.kv_pool import KVPool, OutOfSlots, ReqToTokenPool
+from rollout.cache.kv_pool import KVPool, OutOfSlots, ReqSlotTable
 from rollout.cache.radix import RadixCache
 from rollout.request import Req
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, enable_radix: bool) -> None:
+    def __init__(self, pool: KVPool, req_table: ReqSlotTable, enable_radix: bool) -> None:
         self.pool = pool
         self.allocator = pool.allocator
-        self.req_pool = req_pool
-        self.table = req_pool.table
+        self.req_table = req_table
+        self.table = req_table.table
         self.page_size = pool.page_size
         self.tree = RadixCache(self.page_size, self.allocator.free_slots) if enable_radix else None
 
@@ -60,7 +60,7 @@ class KVManager:
         """Give a waiting request a table row, its cached prefix (locked) and slots for the
         next `num_new_tokens` after the prefix (capped to what it lacks). Returns how many
         tokens it will compute, or None (nothing changed) when memory is short."""
-        if self.req_pool.num_free == 0:
+        if self.req_table.num_free == 0:
             return None
         prefix_slots = torch.empty(0, dtype=torch.int64)
         node = None
@@ -75,16 +75,13 @@ class KVManager:
             if node is not None:
                 self.tree.dec_lock(node)  # type: ignore[union-attr]
             return None
-        row = self.req_pool.alloc()
+        row = self.req_table.alloc()
         self.table[row, :prefix] = prefix_slots
         req.req_pool_idx = row
         req.last_node = node
         req.num_prefix_tokens = prefix
         req.num_computed_tokens = prefix
         req.num_allocated_slots = prefix
-        if not req.admitted_once:
-            req.num_cached_tokens = prefix
-            req.admitted_once = True
         self._alloc(req, prefix + chunk)
         return chunk
 
@@ -112,7 +109,7 @@ class KVManager:
             return
         end = min(-(-new_len // ps) * ps, self.table.shape[1])
         try:  # filled is page-aligned: only whole new pages are taken
-            slots = self.allocator.slots_for_positions(None, filled, end)
+            slots = self.allocator.slots_for_positions(filled, end)
         except OutOfSlots as e:  # callers check capacity first; reaching here is a bug
             raise RuntimeError(f"KV allocation failed after capacity check: {e}") from e
         self.table[req.req_pool_idx, filled:end] = slots
@@ -135,7 +132,7 @@ class KVManager:
             start_free = n
             self.tree.dec_lock(req.last_node)  # type: ignore[arg-type]
         self.allocator.free_slots(slots[start_free:])
-        self.req_pool.free(row)
+        self.req_table.free(row)
         req.req_pool_idx = None
         req.last_node = None
         req.num_prefix_tokens = 0
@@ -165,9 +162,9 @@ class KVManager:
         assert self.tree is not None and leader.last_node is not None
         length = leader.num_computed_tokens
         shared = leader.num_prefix_tokens
-        if self.req_pool.num_free == 0 or not self._ensure_pages(self.allocator.pages_needed(shared, length)):
+        if self.req_table.num_free == 0 or not self._ensure_pages(self.allocator.pages_needed(shared, length)):
             return False
-        row = self.req_pool.alloc()
+        row = self.req_table.alloc()
         self.table[row, :shared] = self.table[leader.req_pool_idx, :shared]
         self.tree.inc_lock(leader.last_node)
         follower.req_pool_idx = row
@@ -178,8 +175,6 @@ class KVManager:
         if length > shared:
             self.pool.copy_slots(self.table[leader.req_pool_idx, shared:length], self.table[row, shared:length])
         follower.num_computed_tokens = length
-        follower.num_cached_tokens = length
-        follower.admitted_once = True
         return True
 
     def flush(self) -> None:

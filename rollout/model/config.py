@@ -7,7 +7,7 @@ explicit head_dim) and SmolLM2 (a Llama). Anything else is refused by name.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,9 @@ _ARCHS: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+# config.json files without `architectures` (written from GGUF files, some older exports):
+# transformers falls back to model_type, and so do we.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,6 @@ class ModelConfig:
     qk_norm: bool
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -55,12 +56,18 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in _ARCHS), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r} in config.json; "
-                f"supported: {sorted(_ARCHS)}"
-            )
+        if archs:
+            arch = next((a for a in archs if a in _ARCHS), None)
+            if arch is None:
+                raise ValueError(f"unsupported architecture {archs!r} in config.json; supported: {sorted(_ARCHS)}")
+        else:
+            model_type = cfg.get("model_type")
+            arch = _MODEL_TYPES.get(model_type)  # type: ignore[arg-type]
+            if arch is None:
+                raise ValueError(
+                    f"config.json has no `architectures` and model_type {model_type!r} is not supported; "
+                    f"supported model types: {sorted(_MODEL_TYPES)}"
+                )
         always_bias, qk_norm = _ARCHS[arch]
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -95,8 +102,6 @@ class ModelConfig:
             qk_norm=qk_norm,
             rope_scaling=rope_scaling,
             eos_token_ids=tuple(int(e) for e in eos),
-            bos_token_id=cfg.get("bos_token_id"),
-            raw=cfg,
         )
 
     @property

@@ -30,7 +30,7 @@ def batch_size_ladder(max_bs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, backend: AttentionBackend, max_bs: int, max_context: int,
                  device: torch.device) -> None:
-        if not getattr(backend, "graphable", False):
+        if not backend.graphable:
             raise ValueError(f"attention backend {backend.name!r} cannot run inside a CUDA graph")
         self.model, self.backend, self.device = model, backend, device
         self.sizes = batch_size_ladder(max_bs)

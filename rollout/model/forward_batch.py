@@ -29,7 +29,3 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TinyModel, make_prompts
+from conftest import TinyModel, grow_slots, make_prompts
 from graph_twin import EagerDecodeGraphs
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -29,8 +29,7 @@ def test_page_table_matches_allocator_layout(page_size: int) -> None:
         s = torch.empty(0, dtype=torch.int64)
         while s.numel() < n:
             step = min(n - s.numel(), int(torch.randint(1, 9, (1,), generator=g)))
-            last = int(s[-1]) if s.numel() else None
-            s = torch.cat([s, alloc.slots_for_positions(last, s.numel(), s.numel() + step)])
+            s = grow_slots(alloc, s, step)
         slots.append(s)
         pages_of.append(s[::page_size] // page_size)
     pt = page_table(lens, torch.cat(slots), page_size)

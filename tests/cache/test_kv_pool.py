@@ -1,4 +1,4 @@
-"""PageAllocator / KVPool / ReqToTokenPool: page bookkeeping and slot layout."""
+"""PageAllocator / KVPool / ReqSlotTable: page bookkeeping and slot layout."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.cache.kv_pool import KVPool, OutOfSlots, PageAllocator, ReqToTokenPool
+from conftest import grow_slots
+
+from rollout.cache.kv_pool import KVPool, OutOfSlots, PageAllocator, ReqSlotTable
 
 PAGE_SIZES = [1, 16]
 
@@ -60,10 +62,10 @@ def test_page_zero_never_handed_out(page_size: int) -> None:
         pages = alloc.alloc_pages(alloc.num_free_pages)
         assert sorted(pages) == [1, 2, 3, 4]
         alloc.free_pages(pages)
-    slots = alloc.slots_for_positions(None, 0, 4 * page_size)
+    slots = alloc.slots_for_positions(0, 4 * page_size)
     assert int(slots.min()) >= page_size  # no slot of page 0
     with pytest.raises(OutOfSlots):
-        alloc.slots_for_positions(None, 0, 1)
+        alloc.slots_for_positions(0, 1)
     with pytest.raises(RuntimeError):
         alloc.free_pages([0])  # page 0 is not the allocator's to take back
 
@@ -84,7 +86,7 @@ def test_double_free_caught(page_size: int) -> None:
     alloc.free_pages(pages[1:])
     assert _all_free(alloc)
     # the same via free_slots
-    slots = alloc.slots_for_positions(None, 0, 2 * page_size)
+    slots = alloc.slots_for_positions(0, 2 * page_size)
     alloc.free_slots(slots)
     with pytest.raises(RuntimeError):
         alloc.free_slots(slots)
@@ -93,7 +95,7 @@ def test_double_free_caught(page_size: int) -> None:
 
 def test_free_slots_must_start_on_page_boundary() -> None:
     alloc = PageAllocator(4, 16)
-    slots = alloc.slots_for_positions(None, 0, 20)
+    slots = alloc.slots_for_positions(0, 20)
     with pytest.raises(RuntimeError):
         alloc.free_slots(slots[1:])
     alloc.free_slots(slots[16:])  # the partial second page
@@ -109,19 +111,18 @@ def test_free_slots_must_start_on_page_boundary() -> None:
 @pytest.mark.parametrize("steps", [[5], [1, 1, 1], [3, 14, 1, 16, 17, 2, 31], [16, 16], [15, 1, 1, 40]])
 def test_slots_keep_offsets_across_extensions(page_size: int, steps: list[int]) -> None:
     alloc = PageAllocator(256, page_size)
-    other = alloc.slots_for_positions(None, 0, 3)  # interleaved request: pages are not contiguous
+    other = alloc.slots_for_positions(0, 3)  # interleaved request: pages are not contiguous
     slots = torch.empty(0, dtype=torch.int64)
     for n in steps:
         start, end = slots.numel(), slots.numel() + n
         want = alloc.pages_needed(start, end)
         before = alloc.num_free_pages
-        last = int(slots[-1]) if start else None
-        new = alloc.slots_for_positions(last, start, end)
-        assert new.dtype == torch.int64 and new.numel() == n
+        grown = grow_slots(alloc, slots, n)
+        assert grown.dtype == torch.int64 and grown.numel() == end
         assert before - alloc.num_free_pages == want
-        slots = torch.cat([slots, new])
+        slots = grown
         # interleave another request's allocation between extensions
-        other = torch.cat([other, alloc.slots_for_positions(int(other[-1]), other.numel(), other.numel() + 2)])
+        other = grow_slots(alloc, other, 2)
     pos = torch.arange(slots.numel())
     assert torch.equal(slots % page_size, pos % page_size)
     # positions of one page share one page
@@ -140,10 +141,9 @@ def test_pages_needed_matches_slots_for_positions(page_size: int) -> None:
     for start in range(0, 3 * page_size + 2):
         for end in range(start, start + 2 * page_size + 3):
             alloc = PageAllocator(16, page_size)
-            prior = alloc.slots_for_positions(None, 0, start)
+            prior = alloc.slots_for_positions(0, start)
             before = alloc.num_free_pages
-            last = int(prior[-1]) if start else None
-            alloc.slots_for_positions(last, start, end)
+            grow_slots(alloc, prior, end - start)
             assert before - alloc.num_free_pages == alloc.pages_needed(start, end), (start, end)
     assert alloc.pages_needed(5, 5) == 0
     assert alloc.pages_needed(5, 3) == 0
@@ -151,15 +151,17 @@ def test_pages_needed_matches_slots_for_positions(page_size: int) -> None:
 
 def test_slots_for_positions_out_of_slots_changes_nothing() -> None:
     alloc = PageAllocator(4, 16)  # three usable pages
-    slots = alloc.slots_for_positions(None, 0, 20)
+    slots = alloc.slots_for_positions(0, 20)
     free = alloc.num_free_pages
     with pytest.raises(OutOfSlots):
-        alloc.slots_for_positions(int(slots[-1]), 20, 20 + 12 + 17)  # needs 2 new pages, 1 free
+        grow_slots(alloc, slots, 12 + 17)  # needs 2 new pages, 1 free
     assert alloc.num_free_pages == free
     # filling the partial page needs no new page even when none is left after
-    more = alloc.slots_for_positions(int(slots[-1]), 20, 32 + 16)
+    more = grow_slots(alloc, slots, 12 + 16)
     assert alloc.num_free_pages == 0
-    assert torch.equal(torch.cat([slots, more]) % 16, torch.arange(48) % 16)
+    assert torch.equal(more % 16, torch.arange(48) % 16)
+    with pytest.raises(ValueError, match="not a multiple of page_size"):
+        alloc.slots_for_positions(20, 24)
 
 
 # ---- property: random alloc / extend / free -----------------------------------------------
@@ -190,11 +192,10 @@ def test_random_alloc_extend_free(page_size: int, num_pages: int, ops: list[tupl
 
     for op, pick, n in ops:
         if op == "new" or not reqs:
-            start, rid, last = 0, next_id, None
+            start, rid = 0, next_id
         else:
             rid = sorted(reqs)[pick % len(reqs)]
             start = len(reqs[rid])
-            last = reqs[rid][-1] if start else None
             if op == "free":
                 alloc.free_slots(torch.tensor(reqs.pop(rid), dtype=torch.int64))
                 check()
@@ -203,10 +204,10 @@ def test_random_alloc_extend_free(page_size: int, num_pages: int, ops: list[tupl
         before = alloc.num_free_pages
         if need > before:
             with pytest.raises(OutOfSlots):
-                alloc.slots_for_positions(last, start, start + n)
+                grow_slots(alloc, torch.tensor(reqs.get(rid, []), dtype=torch.int64), n)
             assert alloc.num_free_pages == before
         else:
-            new = alloc.slots_for_positions(last, start, start + n).tolist()
+            new = grow_slots(alloc, torch.tensor(reqs.get(rid, []), dtype=torch.int64), n)[start:].tolist()
             assert len(new) == n
             assert before - alloc.num_free_pages == need
             if rid == next_id:
@@ -266,11 +267,11 @@ def test_kv_pool_store_casts_dtype() -> None:
     assert torch.equal(pool.v_buffers[0][3].float(), 2 * k[0])
 
 
-# ---- ReqToTokenPool ------------------------------------------------------------------------
+# ---- ReqSlotTable ------------------------------------------------------------------------
 
 
 def test_req_to_token_pool() -> None:
-    pool = ReqToTokenPool(3, 8)
+    pool = ReqSlotTable(3, 8)
     assert pool.table.shape == (3, 8) and pool.table.dtype == torch.int64
     rows = [pool.alloc() for _ in range(3)]
     assert sorted(rows) == [0, 1, 2] and pool.num_free == 0

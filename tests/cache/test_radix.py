@@ -221,7 +221,7 @@ def test_flush() -> None:
     cache = RadixCache(ps, free)
     inserted = []
     for seq in ([1] * 8, [1] * 4 + [2] * 8, [3] * 4):
-        slots = alloc.slots_for_positions(None, 0, len(seq))
+        slots = alloc.slots_for_positions(0, len(seq))
         present = cache.insert(seq, slots, namespace=seq[-1] % 2)
         alloc.free_slots(slots[:present])
         inserted += slots[present:].tolist()

@@ -99,7 +99,7 @@ class RadixModelMachine(RuleBasedStateMachine):
         data = self._data(known, pick, cut, data)
         self.seqs.append(data)
         tokens = self._tokens(data, [])
-        slots = self.alloc.slots_for_positions(None, 0, len(tokens))
+        slots = self.alloc.slots_for_positions(0, len(tokens))
         expect_present = self._model_prefix_len(ns, tokens)
         present = self.cache.insert(tokens, slots, ns)
         assert present == expect_present

@@ -1,0 +1,117 @@
+"""Construction: EngineConfig -> the model, the KV pools, the scheduler, the attention
+backend and the runner (with its decode CUDA graphs).
+
+One function so that construction can be re-run (a draft model, waking from sleep) and so
+that engine.py stays a facade. The KV pool is sized before graphs and workspace because
+graphs bake its addresses in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollout.attention import make_backend
+from rollout.cache.kv_pool import KVPool, ReqSlotTable
+from rollout.cache.manager import KVManager
+from rollout.config import EngineConfig
+from rollout.model.build import build_model, init_random_weights
+from rollout.model.config import ModelConfig
+from rollout.model.llama import LlamaModel
+from rollout.model.loader import iter_checkpoint, load_weights
+from rollout.model.runner import ModelRunner
+from rollout.scheduler import Scheduler
+
+log = logging.getLogger("rollout")
+_CPU_DEFAULT_TOKENS = 32768  # KV budget on CPU when max_total_tokens is not given
+
+
+@dataclass
+class EngineParts:
+    model_config: ModelConfig
+    model: LlamaModel
+    tokenizer: object | None
+    eos_token_ids: set[int]
+    context_len: int
+    kv_pool: KVPool
+    req_table: ReqSlotTable
+    kv: KVManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def check_device(device: str) -> torch.device:
+    """The engine's device, refused clearly when this torch cannot use it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(f"EngineConfig.device={device!r}: torch {torch.__version__} ({build}) sees no CUDA "
+                             "device; use device='cpu' or install a CUDA build of torch on a GPU machine")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"EngineConfig.device={device!r}: only {count} CUDA device(s) are visible")
+    return dev
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """Free device memory, counting blocks torch's caching allocator holds but does not
+    use (an earlier engine's KV, say) as free: the driver reports them as taken."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
+    cfg = ModelConfig.from_dir(config.model)
+    context_len = cfg.max_position_embeddings
+    model = build_model(cfg, context_len, config.torch_dtype, device)
+    if config.load_format == "dummy":
+        init_random_weights(model, config.seed)
+    else:
+        load_weights(model, iter_checkpoint(config.model), full=True)
+    tokenizer = load_tokenizer(config.model) if config.load_tokenizer else None
+    eos = set(cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+
+    max_tokens = config.max_total_tokens or _default_kv_tokens(config, cfg, device)
+    kv_pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_tokens, config.page_size,
+                     config.torch_dtype, device)
+    table_width = min(context_len, kv_pool.allocator.capacity_slots) + config.page_size
+    req_table = ReqSlotTable(config.max_running_requests + 1, table_width)
+    kv = KVManager(kv_pool, req_table, config.enable_radix_cache)
+    scheduler = Scheduler(config, kv)
+    backend = make_backend(config.attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
+    runner = ModelRunner(model, backend, req_table.table, device)
+    log.info("KV cache: %d tokens fit (%d pages of %d, %.1f GiB) on %s", kv.capacity,
+             kv_pool.allocator.num_pages - 1, config.page_size,
+             2 * sum(b.numel() * b.element_size() for b in kv_pool.k_buffers) / 2**30, device)
+    if device.type == "cuda" and config.cuda_graph and backend.graphable:
+        max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
+        start = time.perf_counter()
+        runner.capture_decode_graphs(max_bs, min(context_len, kv.capacity))
+        log.info("captured decode CUDA graphs for batch sizes up to %d in %.1f s", max_bs, time.perf_counter() - start)
+    if device.type == "cuda":
+        # The 1 - fraction left after KV holds graphs, attention workspace and activations.
+        log.info("GPU memory after KV, graphs and workspace: %.1f GiB free for activations",
+                 cuda_free_bytes(device) / 2**30)
+    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner)
+
+
+def _default_kv_tokens(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_DEFAULT_TOKENS
+    per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
+    return max(1024, int(cuda_free_bytes(device) * config.gpu_memory_fraction) // per_token)
+
+
+def load_tokenizer(path: str):
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,165 @@
+"""The step loop: schedule -> launch (forward + sample, results left on the device) ->
+read back (append tokens, finish requests), with overlap scheduling: step t+1 is launched
+before step t's tokens are read back, so host work hides behind device work.
+
+`launch` and `read_back` are public so that benchmarks and diagnostics can time them
+(scripts/bench_host.py, diag_host.py) without reaching into private methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.cache.manager import KVManager
+from rollout.core.outputs import Outputs
+from rollout.metrics import Counters
+from rollout.model.runner import ModelRunner
+from rollout.request import Req, RolloutOutput
+from rollout.sampling import SamplingBatch, sample
+from rollout.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclass
+class Launched:
+    """A step whose sampled tokens are still on the device (or just copied back)."""
+
+    reqs: list[Req]
+    packed: torch.Tensor | None  # [len(reqs), 3 + 4k] float64: token, raw lp, processed lp, top-k
+    event: torch.cuda.Event | None  # set when the copy to pinned host memory is done
+    top_k: int
+    version: int  # weight version that produced these tokens
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVManager, outputs: Outputs,
+                 counters: Counters, vocab_size: int, overlap: bool) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.kv = kv
+        self.outputs = outputs
+        self.counters = counters
+        self.vocab_size = vocab_size
+        self.overlap = overlap
+        self.inflight: Launched | None = None  # overlap scheduling: the step not yet read back
+
+    def step(self, version: int) -> list[RolloutOutput]:
+        """One scheduler -> model -> sampler step; returns the requests that finished (with
+        overlap scheduling, those of the previous step)."""
+        finished: list[RolloutOutput] = []
+        batch = self.scheduler.schedule()
+        launched = self.launch(batch, version) if batch is not None else None
+        if self.overlap:
+            previous, self.inflight = self.inflight, launched
+            if previous is not None:
+                finished = self.read_back(previous)
+        elif launched is not None:
+            finished = self.read_back(launched)
+        if batch is not None:
+            self.counters.steps += 1
+        return finished
+
+    def drain(self) -> list[RolloutOutput]:
+        """Read back the step in flight (before anything that must see every token)."""
+        if self.inflight is None:
+            return []
+        launched, self.inflight = self.inflight, None
+        return self.read_back(launched)
+
+    def launch(self, batch: ScheduledBatch, version: int) -> Launched:
+        """Forward and sample one batch; the results stay on the device until read back."""
+        self.counters.retractions += len(batch.retracted)
+        for req in batch.reqs:
+            self._note_admission(req)
+        fb = self.runner.prepare(batch)
+        logits = self.runner.forward(fb)
+        samplers = batch.samplers()
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.num_computed_tokens += n
+            self.counters.computed_tokens += n
+        rows, samplers = self._fork_followers(samplers)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        if not samplers:
+            return Launched([], None, None, 0, version)
+        res = sample(logits, SamplingBatch.from_reqs(samplers, self.vocab_size, logits.device))
+        if self.overlap:  # only then does a step read tokens it has not seen
+            self.runner.record_tokens([r.req_pool_idx for r in samplers], res.token_ids)
+        for req in samplers:
+            req.num_inflight += 1
+        # Everything the host needs, packed into one float64 tensor (token ids < 2**53 are
+        # exact) for one transfer: the step's one host sync happens when it is read back.
+        columns = [res.token_ids, res.raw_logprobs, res.processed_logprobs]
+        k = 0
+        if res.top_raw is not None:
+            k = res.top_raw[0].shape[1]
+            columns += [*res.top_raw, *res.top_processed]  # type: ignore[misc]
+        packed = torch.cat([c.double().reshape(len(samplers), -1) for c in columns], dim=1)
+        event = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            packed = host
+        return Launched(samplers, packed, event, k, version)
+
+    def read_back(self, launched: Launched) -> list[RolloutOutput]:
+        """Append a launched step's tokens (waiting for them if need be) and finish requests."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        if not launched.reqs:
+            return []
+        packed = launched.packed.tolist()  # type: ignore[union-attr]
+        k = launched.top_k
+        finished = []
+        for row, req in zip(packed, launched.reqs):
+            req.num_inflight -= 1
+            if req.finished:
+                continue  # finished or aborted while this token was in flight: dropped
+            mode = req.params.logprobs_mode
+            lp = row[1] if mode == "raw" else row[2]
+            top = None
+            if req.params.top_logprobs:
+                # per row: raw values, raw ids, processed values, processed ids (k each)
+                base = 3 if mode == "raw" else 3 + 2 * k
+                vals, ids = row[base : base + k], row[base + k : base + 2 * k]
+                top = [(int(t), v) for t, v in zip(ids, vals)][: req.params.top_logprobs]
+            token = int(row[0])
+            req.append_token(token, lp, top, launched.version)
+            self.counters.generated_tokens += 1
+            if self.outputs.check_finish(req, token):
+                self.scheduler.remove(req)
+                self.counters.finished_requests += 1
+                finished.append(self.outputs.make(req, launched.version))
+        return finished
+
+    def _note_admission(self, req: Req) -> None:
+        """A request's first admission (by the scheduler or a fork): how much of its prompt
+        came from the cache is fixed now, and its prompt counts once in the counters."""
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed_tokens
+            self.counters.prompt_tokens += len(req.prompt_ids)
+            self.counters.cached_prompt_tokens += req.num_cached_tokens
+
+    def _fork_followers(self, samplers: list[Req]) -> tuple[list[int], list[Req]]:
+        """Leaders that just finished their prompt hand it (KV and last logits) to their
+        waiting followers, which then sample their first token in this same step."""
+        rows = list(range(len(samplers)))
+        out = list(samplers)
+        for i, leader in enumerate(samplers):
+            if not leader.followers or leader.output_ids:
+                continue
+            self.kv.share_prompt(leader)
+            for follower in leader.followers:
+                follower.leader = None
+                if follower.finished or follower not in self.scheduler.waiting:
+                    continue
+                if self.kv.fork(leader, follower):
+                    self.scheduler.start_running(follower)
+                    self._note_admission(follower)
+                    rows.append(i)
+                    out.append(follower)
+            leader.followers = []
+        return rows, out
