@@ -6,7 +6,11 @@ model's shapes (those live in ModelConfig, read from the checkpoint's config.jso
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from os import PathLike
+
+from rollout.validate import check_bool, check_float, check_int, check_str
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "torch", "triton", "flashinfer")
@@ -47,28 +51,41 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("EngineConfig.model: a checkpoint directory is required")
+        f = "EngineConfig."
+        if not isinstance(self.model, (str, PathLike)) or not str(self.model):
+            raise ValueError(f"{f}model={self.model!r}: a checkpoint directory is required")
+        object.__setattr__(self, "model", str(self.model))
+        check_str(self.device, f + "device")
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "cuda_graph_max_bs", "seed"):
+            check_int(getattr(self, name), f + name)
+        for name in ("max_total_tokens", "num_threads"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), f + name, min=1)
+        for name in ("enable_radix_cache", "cuda_graph", "load_tokenizer"):
+            check_bool(getattr(self, name), f + name)
+        if self.overlap_schedule is not None:
+            check_bool(self.overlap_schedule, f + "overlap_schedule")
+        check_float(self.gpu_memory_fraction, f + "gpu_memory_fraction")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype={self.dtype!r}: expected one of {_DTYPES}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"EngineConfig.device={self.device!r}: expected 'cpu' or 'cuda[:N]'")
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise ValueError(f"EngineConfig.max_total_tokens={self.max_total_tokens}: must be >= 1")
+            raise ValueError(f"{f}dtype={self.dtype!r}: expected one of {_DTYPES}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"{f}device={self.device!r}: expected 'cpu' or 'cuda[:N]'")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(f"EngineConfig.gpu_memory_fraction={self.gpu_memory_fraction}: must be in (0, 1]")
+            raise ValueError(f"{f}gpu_memory_fraction={self.gpu_memory_fraction}: must be in (0, 1]")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"EngineConfig.page_size={self.page_size}: must be a power of two >= 1")
+            raise ValueError(f"{f}page_size={self.page_size}: must be a power of two >= 1")
         if self.max_running_requests < 1:
-            raise ValueError(f"EngineConfig.max_running_requests={self.max_running_requests}: must be >= 1")
+            raise ValueError(f"{f}max_running_requests={self.max_running_requests}: must be >= 1")
         if self.max_prefill_tokens < self.page_size:
-            raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens}: must be >= page_size")
+            raise ValueError(f"{f}max_prefill_tokens={self.max_prefill_tokens}: must be >= page_size")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"{f}cuda_graph_max_bs={self.cuda_graph_max_bs}: must be >= 1")
         if self.schedule_policy not in _POLICIES:
-            raise ValueError(f"EngineConfig.schedule_policy={self.schedule_policy!r}: expected one of {_POLICIES}")
+            raise ValueError(f"{f}schedule_policy={self.schedule_policy!r}: expected one of {_POLICIES}")
         if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"EngineConfig.load_format={self.load_format!r}: expected 'auto' or 'dummy'")
+            raise ValueError(f"{f}load_format={self.load_format!r}: expected 'auto' or 'dummy'")
         if self.attention not in _ATTENTION:
-            raise ValueError(f"EngineConfig.attention={self.attention!r}: expected one of {_ATTENTION}")
+            raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
 
     @property
     def overlap(self) -> bool:

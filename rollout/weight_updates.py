@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout.validate import check_float, check_int, check_str
+
 if TYPE_CHECKING:
     from weightsync.transports.group import WeightGroup
 
@@ -36,6 +38,18 @@ class WeightUpdatesMixin:
 
         if self._sync_group is not None:
             raise RuntimeError("a weight-sync group is already open; destroy_weight_sync_group() first")
+        check_str(master_addr, "master_addr")
+        check_int(master_port, "master_port", min=1, max=65535)
+        check_int(world_size, "world_size", min=2)
+        # rank 0 is the trainer (it hosts the rendezvous): an engine there would wait for itself
+        check_int(rank_offset, "rank_offset", min=1, max=world_size - 1)
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: expected 'gloo' or 'nccl'")
+        if backend == "nccl" and self.device.type != "cuda":  # type: ignore[attr-defined]
+            raise ValueError(f"backend='nccl' needs a CUDA engine; this one is on {self.device} (use 'gloo')")  # type: ignore[attr-defined]
+        for name, value in (("timeout_s", timeout_s), ("join_timeout_s", join_timeout_s)):
+            if value is not None and check_float(value, name) <= 0:
+                raise ValueError(f"{name}={value}: must be > 0")
         device = self.device if backend == "nccl" else None  # type: ignore[attr-defined]
         self._sync_group = open_group(master_addr, master_port, rank_offset, world_size, backend=backend,
                                       timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device)
@@ -62,6 +76,7 @@ class WeightUpdatesMixin:
         CudaIpcSender.send() returns the new version or raises with the engine's error."""
         from weightsync.transports.cuda_ipc import CudaIpcReceiver
 
+        check_str(endpoint, "endpoint")
         receiver = CudaIpcReceiver(endpoint, device=self.device, timeout_s=timeout_s)  # type: ignore[attr-defined]
         try:
             return receiver.serve_once(lambda stream: self.update_weights(stream, full=full, pause_mode=pause_mode))
@@ -72,4 +87,6 @@ class WeightUpdatesMixin:
         """Load an update from a safetensors directory (with or without an index)."""
         from rollout.model.loader import iter_checkpoint
 
+        if not isinstance(path, (str, Path)) or not Path(path).is_dir():
+            raise ValueError(f"update_weights_from_disk: path={path!r} is not a directory")
         return self.update_weights(iter_checkpoint(path), full=full, pause_mode=pause_mode)
