@@ -9,10 +9,7 @@ work overlap scheduling must hide behind each device step.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -26,11 +23,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
-    from scripts.bench_rollout import SHAPES
+    from rollout.model.shapes import write_shape_dir
     from scripts.steady import PhaseTimer, run_to_decode
 
-    model_dir = tempfile.mkdtemp(prefix="bench-host-")
-    (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES["tiny"]))
+    model_dir = write_shape_dir("tiny", prefix="bench-host-")
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", page_size=args.page_size,
                                  max_running_requests=args.batch, max_prefill_tokens=8192,
                                  max_total_tokens=args.batch * (args.input_len + args.steps + 64) + 4096))

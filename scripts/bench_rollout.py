@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,26 +27,7 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    "llama8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    ),
-    # for smoke runs of the scripts on CPU
-    "tiny": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
-    ),
-    "qwen06b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-    ),
-}
+from rollout.model.shapes import SHAPES, write_shape_dir
 
 
 @dataclass
@@ -204,8 +184,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
-    model_dir = tempfile.mkdtemp(prefix=f"bench-{args.shape}-")
-    (Path(model_dir) / "config.json").write_text(json.dumps(cfg))
+    model_dir = write_shape_dir(args.shape, prefix=f"bench-{args.shape}-")
     bw, flops = measure_ceilings(device)
     roof = Roofline(cfg, bw, flops)
     print(f"device copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; "

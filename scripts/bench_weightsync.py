@@ -13,26 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-LLAMA8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
-)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from rollout.distributed.ports import free_port
+from rollout.model.shapes import write_shape_dir
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -84,8 +73,7 @@ def gpu(args) -> None:
     from weightsync.trainer import iter_hf_weights
 
     device = torch.device("cuda")
-    model_dir = tempfile.mkdtemp(prefix="ws-8b-")
-    (Path(model_dir) / "config.json").write_text(json.dumps(LLAMA8B))
+    model_dir = write_shape_dir("llama8b", prefix="ws-8b-")
     bw = copy_bandwidth(device)
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy",
                                  max_total_tokens=65536, page_size=16))

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
-import tempfile
 import time
 import traceback
 import warnings
@@ -97,10 +95,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig
-    from scripts.bench_rollout import SHAPES
+    from rollout.model.shapes import SHAPES, write_shape_dir
 
-    model_dir = tempfile.mkdtemp(prefix=f"diag-{args.shape}-")
-    (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    model_dir = write_shape_dir(args.shape, prefix=f"diag-{args.shape}-")
     vocab = SHAPES[args.shape]["vocab_size"]
     for spec in args.specs:
         batch, attention, overlap, *threads = spec.split(":")  # optional 4th field: torch threads

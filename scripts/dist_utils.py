@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -27,13 +26,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from rollout.distributed.ports import free_port
+
 _PEER_QUERY_TIMEOUT_S = 5.0  # bounded look-ups while reporting a failure
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -255,16 +250,11 @@ def resolve_model(spec: str, load_format: str) -> tuple[str, str]:
     SHAPES) written as a config.json into a temp dir, with random ("dummy") weights."""
     if os.path.isdir(spec):
         return spec, load_format
-    from scripts.bench_rollout import SHAPES
+    from rollout.model.shapes import SHAPES, write_shape_dir
 
     if spec not in SHAPES:
         raise ValueError(f"--model {spec!r} is neither a directory nor a built-in shape {sorted(SHAPES)}")
-    import tempfile
-
-    path = tempfile.mkdtemp(prefix=f"shape-{spec}-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(SHAPES[spec], f)
-    return path, "dummy"
+    return write_shape_dir(spec), "dummy"
 
 
 def resolve_backend(args: Any) -> str:

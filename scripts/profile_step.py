@@ -11,10 +11,7 @@ first command of a GPU session chasing the roofline gap in BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -34,11 +31,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
-    from scripts.bench_rollout import SHAPES
+    from rollout.model.shapes import SHAPES, write_shape_dir
     from scripts.steady import PhaseTimer, run_to_decode
 
-    model_dir = tempfile.mkdtemp(prefix=f"profile-{args.shape}-")
-    (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    model_dir = write_shape_dir(args.shape, prefix=f"profile-{args.shape}-")
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device, load_format="dummy",

@@ -6,7 +6,6 @@ updates are refused whole; the pause modes do what they say; nothing in flight i
 from __future__ import annotations
 
 import copy
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.distributed.ports import free_port
 from weightsync.trainer import iter_hf_weights
 from weightsync.transports.disk import save_safetensors_dir
 
@@ -154,12 +154,6 @@ def test_sync_from_a_safetensors_dir(llama: TinyModel, trainer, tmp_path: Path) 
     assert engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0].token_ids == hf_greedy(trainer, prompt)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _trainer_process(model_path: str, port: int, out_dir: str) -> None:
     """Rank 0: load the checkpoint, take a step, save the reference, broadcast over gloo."""
     from transformers import AutoModelForCausalLM
@@ -184,7 +178,7 @@ def test_gloo_broadcast_from_a_trainer_process_during_generation(llama: TinyMode
     prompts = make_prompts(llama.vocab_size, [5, 12, 3], seed=26)
     engine = Engine(EngineConfig(model=llama.path))
     ids = _start(engine, prompts, new=9, steps=3)  # requests in flight while the sync happens
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=_trainer_process, args=(llama.path, port, str(tmp_path / "ref")))
     proc.start()

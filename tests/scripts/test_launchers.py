@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.distributed.ports import free_port
 from rollout.request import RolloutOutput
 from scripts.dist_utils import split_indices
 from scripts.rollout_wire import pack_outputs, unpack_outputs
@@ -36,15 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [5, 9, 3, 12, 7, 4, 10]  # 7 prompts: an uneven split over 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(ROOT / "scripts" / script), *args]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "scripts" / script), *args]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     start = time.monotonic()

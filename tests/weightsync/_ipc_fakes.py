@@ -13,7 +13,8 @@ import weakref
 
 import pytest
 import torch
-from _weightsync_helpers import FakeEngine, free_port
+from _weightsync_helpers import FakeEngine
+from rollout.distributed.ports import free_port
 
 from weightsync.bucket import BucketMeta, pack_buckets
 from weightsync.transports import cuda_ipc_handles

@@ -6,7 +6,6 @@ module, and each of those imports costs seconds.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable
 
 import torch
@@ -34,12 +33,6 @@ class FakeEngine:
     @property
     def last(self) -> list[tuple[str, torch.Tensor]]:
         return self.updates[-1][0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tiny_llama(*, tie: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32):

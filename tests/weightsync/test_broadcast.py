@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _weightsync_helpers import FakeEngine, assert_same_tensors, free_port, tiny_llama
+from _weightsync_helpers import FakeEngine, assert_same_tensors, tiny_llama
+from rollout.distributed.ports import free_port
 
 from weightsync.transports import BroadcastSender, WeightSyncError, close_group, open_group, receive
 from weightsync.transports.disk import iter_safetensors_dir, save_safetensors_dir

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _weightsync_helpers import FakeEngine, assert_same_tensors, free_port
+from _weightsync_helpers import FakeEngine, assert_same_tensors
+from rollout.distributed.ports import free_port
 
 from weightsync.transports import WeightSyncError, cuda_ipc_handles
 from weightsync.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender

@@ -1,0 +1,8 @@
+"""torch.distributed pieces for multi-process rollouts (the torchrun launchers, a GRPO loop):
+process groups with timeouts (group), a per-rank phase log that names the missing peer
+when a collective fails (phases), byte/number collectives without pickle (collectives),
+prompt loading and the data-parallel rollout (prompts, dp_rollout), the launchers' shared
+options (launch_args), and free_port (ports).
+
+Nothing is imported here: `import rollout.distributed.ports` stays cheap.
+"""
