@@ -42,11 +42,11 @@ import torch.distributed as dist
 from rollout import Engine, SamplingParams
 from rollout.model.config import ModelConfig
 from rollout.request import RolloutOutput
+from rollout.wire import pack_outputs, unpack_outputs
 from scripts.dist_utils import (DistContext, add_common_args, broadcast_bytes, broadcast_int, free_port, gather_bytes,
                                 init_distributed, maybe_die, phase, resolve_backend, resolve_model, shutdown,
                                 split_indices)
 from scripts.launch_dp_rollout import build_engine
-from scripts.rollout_wire import pack_outputs, unpack_outputs
 from scripts.toy_trainer import hf_greedy, load_trainer_model, toy_train_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -32,9 +32,9 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.request import RolloutOutput
+from rollout.wire import output_to_json, pack_outputs, unpack_outputs
 from scripts.dist_utils import (DistContext, add_common_args, gather_bytes, gather_floats, init_distributed,
                                 maybe_die, phase, resolve_backend, resolve_model, shutdown, split_indices)
-from scripts.rollout_wire import output_to_json, pack_outputs, unpack_outputs
 
 
 @dataclass

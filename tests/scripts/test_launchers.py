@@ -28,9 +28,7 @@ import torch
 from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.distributed.ports import free_port
-from rollout.request import RolloutOutput
 from scripts.dist_utils import split_indices
-from scripts.rollout_wire import pack_outputs, unpack_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [5, 9, 3, 12, 7, 4, 10]  # 7 prompts: an uneven split over 2 ranks
@@ -68,17 +66,6 @@ def test_split_covers_every_prompt_once() -> None:
         for n, world in [(7, 2), (2, 3), (0, 2), (16, 4)]:
             shares = [split_indices(n, r, world, mode) for r in range(world)]
             assert sorted(i for s in shares for i in s) == list(range(n)), (mode, n, world)
-
-
-def test_rollout_wire_round_trip() -> None:
-    outs = [
-        RolloutOutput("a", 3, 1, [1, 2, 3], [7, 8], [-0.1234567, -2.5], "length", "hé", 2, 1, [(0, 0, 1), (1, 1, 2)],
-                      top_logprobs=[[(7, -0.1), (9, -3.0)], [(8, -2.5)]]),
-        RolloutOutput("b", 0, 0, [4], [], [], "abort", None, 0, 0, []),
-    ]
-    back = unpack_outputs(pack_outputs(outs))
-    assert back == outs
-    assert unpack_outputs(pack_outputs([])) == []
 
 
 # ---- data-parallel rollout ---------------------------------------------------------------
