@@ -28,7 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scripts.dist_utils import DistContext, broadcast_int, free_port, gather_floats, phase, resolve_model
+from rollout.distributed.collectives import broadcast_int, gather_floats
+from rollout.distributed.group import DistContext
+from rollout.distributed.launch_args import resolve_model
+from rollout.distributed.phases import phase
+from rollout.distributed.ports import free_port
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -40,13 +40,16 @@ import torch
 import torch.distributed as dist
 
 from rollout import Engine, SamplingParams
+from rollout.distributed.collectives import broadcast_bytes, broadcast_int, gather_bytes
+from rollout.distributed.dp_rollout import run_dp_rollout
+from rollout.distributed.group import DistContext, init_distributed, shutdown
+from rollout.distributed.launch_args import add_common_args, build_engine, maybe_die, resolve_backend, resolve_model
+from rollout.distributed.phases import phase
+from rollout.distributed.ports import free_port
+from rollout.distributed.prompts import load_prompts
 from rollout.model.config import ModelConfig
 from rollout.request import RolloutOutput
 from rollout.wire import pack_outputs, unpack_outputs
-from scripts.dist_utils import (DistContext, add_common_args, broadcast_bytes, broadcast_int, free_port, gather_bytes,
-                                init_distributed, maybe_die, phase, resolve_backend, resolve_model, shutdown,
-                                split_indices)
-from scripts.launch_dp_rollout import build_engine
 from scripts.toy_trainer import hf_greedy, load_trainer_model, toy_train_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,6 +79,10 @@ class Roles:
     def engine_index(self, rank: int) -> int:
         return rank - self.trainer_ranks
 
+    @property
+    def engine_ranks(self) -> range:
+        return range(self.trainer_ranks, self.world_size)
+
     def in_sync_group(self, rank: int) -> bool:
         return rank == 0 or not self.is_trainer(rank)
 
@@ -99,30 +106,9 @@ class StepRecord:
 def rollouts_on_rank0(ctx: DistContext, roles: Roles, engine: Engine | None, prompts: Sequence[Sequence[int]],
                       params: SamplingParams, label: str, expect_version: int) -> list[RolloutOutput] | None:
     """Engines generate their share; everything is gathered, in order, on rank 0."""
-    local: list[RolloutOutput] = []
-    if engine is not None:
-        share = split_indices(len(prompts), roles.engine_index(ctx.rank), roles.num_engines)
-        with phase(ctx, f"{label}: generate"):
-            local = engine.generate(input_ids=[prompts[i] for i in share], sampling_params=params) if share else []
-            for out in local:
-                out.prompt_index = share[out.prompt_index]
-                out.request_id = f"engine{roles.engine_index(ctx.rank)}/{out.request_id}"
-                bad = [v for v, _, _ in out.weight_versions if v != expect_version]
-                if bad or out.weight_version != expect_version:
-                    raise RuntimeError(f"{label}: output of prompt {out.prompt_index} carries weight versions "
-                                       f"{out.weight_versions}, expected only version {expect_version}")
-    with phase(ctx, f"{label}: gather on rank 0"):
-        chunks = gather_bytes(pack_outputs(local), ctx, dst=0)
-    if chunks is None:
-        return None
-    return sorted((o for c in chunks for o in unpack_outputs(c)), key=lambda o: (o.prompt_index, o.sample_index))
-
-
-def load_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
-    if args.prompts:
-        return [[int(t) for t in p] for p in json.loads(Path(args.prompts).read_text())]
-    g = torch.Generator().manual_seed(args.seed)
-    return [torch.randint(0, vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+    run = run_dp_rollout(engine, prompts, params, ctx, engine_ranks=roles.engine_ranks,
+                         label=label, common_start=False, expect_version=expect_version)
+    return run.outputs if run is not None else None
 
 
 def run_loop(args: argparse.Namespace, ctx: DistContext, roles: Roles) -> list[StepRecord]:
@@ -143,7 +129,7 @@ def run_loop(args: argparse.Namespace, ctx: DistContext, roles: Roles) -> list[S
                 ids = [ctx.device.index] if ctx.device.type == "cuda" else None
                 model = DDP(model, device_ids=ids, process_group=trainer_group)
         else:
-            engine = build_engine(args, ctx, seed=args.seed)
+            engine = build_engine(args, ctx.device, seed=args.seed)
     hf_model = model.module if hasattr(model, "module") else model
     with phase(ctx, "agree on the weight-sync port"):
         port = broadcast_int(args.sync_port or (free_port(args.sync_addr) if rank == 0 else None), ctx)
@@ -160,7 +146,8 @@ def run_loop(args: argparse.Namespace, ctx: DistContext, roles: Roles) -> list[S
         elif engine is not None:
             engine.init_weight_sync_group(args.sync_addr, port, 1 + roles.engine_index(rank), world, backend=ctx.backend,
                                           timeout_s=args.timeout_s)
-    prompts = load_prompts(args, ModelConfig.from_dir(model_dir).vocab_size)
+    prompts = load_prompts(args.prompts, vocab_size=ModelConfig.from_dir(model_dir).vocab_size,
+                           num_prompts=args.num_prompts, prompt_len=args.prompt_len, seed=args.seed)
     probe_params = SamplingParams(temperature=0, max_new_tokens=args.probe_tokens, ignore_eos=True)
     records = []
     for step in range(1, args.steps + 1):
@@ -259,7 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trainer-dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--prompts", default=None, help="JSON list of token-id lists (default: random)")
+    parser.add_argument("--prompts", default=None, help="JSON list (or JSONL) of token-id lists (default: random)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--samples", type=int, default=2, help="samples per prompt (n)")

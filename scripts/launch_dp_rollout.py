@@ -17,92 +17,18 @@ batched there. With --seed -1 (engine-drawn seeds) that no longer holds.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from a clean clone
-
 import argparse
 import json
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-
-from rollout import Engine, EngineConfig, SamplingParams
-from rollout.request import RolloutOutput
-from rollout.wire import output_to_json, pack_outputs, unpack_outputs
-from scripts.dist_utils import (DistContext, add_common_args, gather_bytes, gather_floats, init_distributed,
-                                maybe_die, phase, resolve_backend, resolve_model, shutdown, split_indices)
-
-
-@dataclass
-class DPRollout:
-    """What rank 0 gets back: every output in the original order, and per-rank timing."""
-
-    outputs: list[RolloutOutput]
-    wall_seconds: float  # from the common start to the last rank's results on rank 0
-    rank_seconds: list[float]  # each rank's own generate() time
-    rank_tokens: list[int]  # generated tokens per rank
-    rank_prompts: list[int]
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.rank_tokens)
-
-
-def run_dp_rollout(
-    engine: Engine,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams | Sequence[SamplingParams],
-    ctx: DistContext,
-    *,
-    split: str = "strided",
-    label: str = "rollout",
-) -> DPRollout | None:
-    """Generate this rank's share of `prompts` and gather everything on rank 0.
-    Every rank must call it with the same prompts and params. Returns None off rank 0."""
-    per_prompt = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
-    if len(per_prompt) != len(prompts):
-        raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-    share = split_indices(len(prompts), ctx.rank, ctx.world_size, split)
-    with phase(ctx, f"{label}: common start"):
-        torch.distributed.barrier()  # engines load at different speeds; time the rollout only
-    start = time.perf_counter()
-    with phase(ctx, f"{label}: generate {len(share)} prompts"):
-        local = engine.generate(input_ids=[prompts[i] for i in share], sampling_params=[per_prompt[i] for i in share]) if share else []
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-    seconds = time.perf_counter() - start
-    for out in local:  # local prompt index -> global; request ids made unique across ranks
-        out.prompt_index = share[out.prompt_index]
-        out.request_id = f"rank{ctx.rank}/{out.request_id}"
-    with phase(ctx, f"{label}: gather results on rank 0"):
-        chunks = gather_bytes(pack_outputs(local), ctx, dst=0)
-        stats = gather_floats([seconds, float(sum(len(o.token_ids) for o in local)), float(len(share))], ctx)
-    if chunks is None:
-        return None
-    wall = time.perf_counter() - start
-    outputs = sorted((o for c in chunks for o in unpack_outputs(c)), key=lambda o: (o.prompt_index, o.sample_index))
-    expected = sum(p.n for p in per_prompt)
-    if len(outputs) != expected:
-        raise RuntimeError(f"{label}: gathered {len(outputs)} outputs, expected {expected}")
-    return DPRollout(outputs, wall, [s[0] for s in stats], [int(s[1]) for s in stats], [int(s[2]) for s in stats])
-
-
-def load_prompts(args: argparse.Namespace, engine: Engine) -> list[list[int]]:
-    """Token-id prompts: a JSON file (a list of token-id lists or strings, or JSONL of the
-    same), else random ids from --seed; every rank computes the same list."""
-    if args.prompts:
-        text = Path(args.prompts).read_text()
-        items = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
-        if any(isinstance(x, str) for x in items) and engine.tokenizer is None:
-            raise ValueError(f"{args.prompts}: text prompts need a tokenizer in the checkpoint dir")
-        return [engine.tokenizer.encode(x) if isinstance(x, str) else [int(t) for t in x] for x in items]
-    g = torch.Generator().manual_seed(max(args.seed, 0))
-    vocab = engine.model_config.vocab_size
-    return [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+from rollout import SamplingParams
+from rollout.distributed.dp_rollout import DPRollout, run_dp_rollout
+from rollout.distributed.group import DistContext, init_distributed, shutdown
+from rollout.distributed.launch_args import add_common_args, build_engine, maybe_die, resolve_backend
+from rollout.distributed.phases import phase
+from rollout.distributed.prompts import load_prompts
+from rollout.wire import output_to_json
 
 
 def make_params(args: argparse.Namespace, num_prompts: int) -> list[SamplingParams]:
@@ -112,13 +38,6 @@ def make_params(args: argparse.Namespace, num_prompts: int) -> list[SamplingPara
     if args.seed_per_prompt and seed is not None:
         return [SamplingParams(**base, seed=seed + i) for i in range(num_prompts)]
     return [SamplingParams(**base, seed=seed)] * num_prompts
-
-
-def build_engine(args: argparse.Namespace, ctx: DistContext, seed: int = 0) -> Engine:
-    model_dir, load_format = resolve_model(args.model, args.load_format)
-    return Engine(EngineConfig(model=model_dir, dtype=args.dtype, device=str(ctx.device), page_size=args.page_size,
-                               max_total_tokens=args.max_total_tokens, load_format=load_format, seed=seed,
-                               num_threads=args.num_threads))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -147,8 +66,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     ctx = init_distributed(resolve_backend(args), args.device, args.timeout_s, lambda r: f"rollout rank {r}")
     with phase(ctx, "build engine"):
-        engine = build_engine(args, ctx)
-        prompts = load_prompts(args, engine)
+        engine = build_engine(args, ctx.device)
+        prompts = load_prompts(args.prompts, vocab_size=engine.model_config.vocab_size, num_prompts=args.num_prompts,
+                               prompt_len=args.prompt_len, seed=args.seed, tokenizer=engine.tokenizer)
         params = make_params(args, len(prompts))
     if args.warmup:
         warm = [p[:16] for p in prompts[: 2 * ctx.world_size]]

@@ -28,7 +28,6 @@ import torch
 from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.distributed.ports import free_port
-from scripts.dist_utils import split_indices
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [5, 9, 3, 12, 7, 4, 10]  # 7 prompts: an uneven split over 2 ranks
@@ -58,14 +57,6 @@ def prompts_file(tiny: TinyModel, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("launch_prompts") / "prompts.json"
     path.write_text(json.dumps(make_prompts(tiny.vocab_size, LENGTHS, seed=40)))
     return path
-
-
-# ---- pieces, in process ------------------------------------------------------------------
-def test_split_covers_every_prompt_once() -> None:
-    for mode in ("strided", "contiguous"):
-        for n, world in [(7, 2), (2, 3), (0, 2), (16, 4)]:
-            shares = [split_indices(n, r, world, mode) for r in range(world)]
-            assert sorted(i for s in shares for i in s) == list(range(n)), (mode, n, world)
 
 
 # ---- data-parallel rollout ---------------------------------------------------------------

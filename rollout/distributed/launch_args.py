@@ -1,0 +1,71 @@
+"""What the torchrun launchers share on their command lines: the common options, and what
+is built from them (model dir, backend, engine), plus the debug hook the failure tests
+drive (--die-at-step). argparse only; no collectives here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from rollout.config import EngineConfig
+from rollout.distributed.group import DistContext
+from rollout.engine import Engine
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="HF checkpoint dir, or a built-in shape name (llama8b, qwen06b) for random weights")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: each rank uses cuda:LOCAL_RANK")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with --device cuda, else gloo")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="every collective group's timeout")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank on CPU")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV budget per engine (tokens)")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights of the checkpoint's shapes (benchmarks)")
+    parser.add_argument("--die-at-step", type=int, default=None, help="debug (failure tests): make --die-rank die at this step")
+    parser.add_argument("--die-rank", type=int, default=1, help="debug: which rank dies")
+    parser.add_argument("--die-mode", choices=("exit", "hang"), default="hang", help="debug: exit silently (code 0) or hang")
+
+
+def resolve_model(spec: str, load_format: str) -> tuple[str, str]:
+    """A checkpoint dir as given, or a built-in benchmark shape (rollout.model.shapes)
+    written as a config.json into a temp dir, with random ("dummy") weights."""
+    if os.path.isdir(spec):
+        return spec, load_format
+    from rollout.model.shapes import SHAPES, write_shape_dir
+
+    if spec not in SHAPES:
+        raise ValueError(f"--model {spec!r} is neither a directory nor a built-in shape {sorted(SHAPES)}")
+    return write_shape_dir(spec), "dummy"
+
+
+def resolve_backend(args: argparse.Namespace) -> str:
+    return args.backend or ("nccl" if args.device == "cuda" else "gloo")
+
+
+def build_engine(args: argparse.Namespace, device: torch.device, seed: int = 0) -> Engine:
+    """One engine on `device` from the common options (--model, --dtype, --page-size, ...)."""
+    model_dir, load_format = resolve_model(args.model, args.load_format)
+    return Engine(EngineConfig(model=model_dir, dtype=args.dtype, device=str(device), page_size=args.page_size,
+                               max_total_tokens=args.max_total_tokens, load_format=load_format, seed=seed,
+                               num_threads=args.num_threads))
+
+
+def maybe_die(ctx: DistContext, args: argparse.Namespace, step: int) -> None:
+    """Debug hook (--die-at-step / --die-rank / --die-mode) for the failure tests.
+    exit: leave with code 0, which torchrun does not treat as a failure, so the peers
+    must notice on their own; hang: stay alive and silent, which only a timeout catches."""
+    if args.die_at_step is None or step != args.die_at_step or ctx.rank != args.die_rank:
+        return
+    # No phase entry: a real dead rank would not announce it; peers must work it out.
+    print(f"[rank {ctx.rank}] --die-at-step {step}: simulating a dead rank ({args.die_mode})", file=sys.stderr, flush=True)
+    if args.die_mode == "exit":
+        os._exit(0)
+    while True:
+        time.sleep(3600)
