@@ -15,6 +15,7 @@ from rollout.validate import check_bool, check_float, check_int, check_str
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "torch", "triton", "flashinfer")
 _POLICIES = ("fcfs", "lpm")
+_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,15 @@ class EngineConfig:
     # torch intra-op threads (process-wide). None: left alone on CPU; 1 on CUDA, where the host
     # only runs small tensor ops and idle OpenMP workers compete with the scheduler for cores.
     num_threads: int | None = None
+    # Multi-LoRA (lora/): adapters loaded at runtime and mixed in one batch. Off by default:
+    # the device slots cost memory (8 slots of rank 64 on all seven modules of an 8B model:
+    # ~2.7 GB in bf16), sized by these limits.
+    enable_lora: bool = False
+    max_loras_per_batch: int = 8  # device slots = most distinct adapters in one step
+    max_lora_rank: int = 64
+    max_loaded_loras: int | None = None  # adapters held in host memory; None: no limit
+    # which of q/k/v/o/gate/up/down_proj adapters may target (slots are allocated for these)
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __post_init__(self) -> None:
         f = "EngineConfig."
@@ -84,6 +94,16 @@ class EngineConfig:
             raise ValueError(f"{f}schedule_policy={self.schedule_policy!r}: expected one of {_POLICIES}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"{f}load_format={self.load_format!r}: expected 'auto' or 'dummy'")
+        check_bool(self.enable_lora, f + "enable_lora")
+        check_int(self.max_loras_per_batch, f + "max_loras_per_batch", min=1)
+        check_int(self.max_lora_rank, f + "max_lora_rank", min=1)
+        if self.max_loaded_loras is not None:
+            check_int(self.max_loaded_loras, f + "max_loaded_loras", min=1)
+        modules = (self.lora_target_modules,) if isinstance(self.lora_target_modules, str) else self.lora_target_modules
+        object.__setattr__(self, "lora_target_modules", tuple(modules))
+        unknown = sorted(set(self.lora_target_modules) - set(_LORA_MODULES))
+        if unknown or not self.lora_target_modules:
+            raise ValueError(f"{f}lora_target_modules={self.lora_target_modules!r}: expected a non-empty subset of {_LORA_MODULES}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
 

@@ -22,14 +22,14 @@ from rollout.core.step import StepLoop
 from rollout.metrics import Counters, EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
-from rollout.validate import check_bool
+from rollout.validate import check_bool, check_pause_mode, named_tensor_list
+from rollout.lora_api import LoraAdaptersMixin
 from rollout.weight_updates import WeightUpdatesMixin
 
 log = logging.getLogger("rollout")
-_PAUSE_MODES = ("wait", "abort", "retract")
 
 
-class Engine(WeightUpdatesMixin):
+class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
     def __init__(self, config: EngineConfig) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"Engine(config): expected an EngineConfig, got {type(config).__name__}")
@@ -56,8 +56,9 @@ class Engine(WeightUpdatesMixin):
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,
                              self.model_config.vocab_size, config.overlap)
         limits = Limits(self.model_config.vocab_size, self.context_len, self.kv.capacity - config.page_size)
+        self.lora = parts.lora
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,
-                             fork_samples=self.kv.tree is not None)
+                             fork_samples=self.kv.tree is not None, lora=self.lora)
         self._pending: list[RolloutOutput] = []  # finished outputs not yet handed out
 
     # ---- requests in ------------------------------------------------------------------
@@ -70,10 +71,12 @@ class Engine(WeightUpdatesMixin):
         request_id: str | None = None,
         prompt_index: int = 0,
         namespace: str | None = None,
+        lora_name: str | None = None,
     ) -> list[str]:
-        """Queue one prompt (its n samples). Returns the samples' request ids."""
+        """Queue one prompt (its n samples), under adapter `lora_name` (None: the base
+        model). Returns the samples' request ids."""
         reqs = self.intake.make_reqs(input_ids, prompt, sampling_params or SamplingParams(), request_id,
-                                     prompt_index, namespace)
+                                     prompt_index, namespace, lora_name)
         for req in reqs:
             self.scheduler.add(req)
         return [r.rid for r in reqs]
@@ -85,14 +88,17 @@ class Engine(WeightUpdatesMixin):
         *,
         prompts: Sequence[str] | None = None,
         namespace: str | None = None,
+        lora_name: str | None | Sequence[str | None] = None,
         progress: bool = False,
     ) -> list[RolloutOutput]:
-        """Run prompts to completion. One output per sample, prompt-major then sample."""
+        """Run prompts to completion. One output per sample, prompt-major then sample.
+        `lora_name`: one adapter for every prompt, or a list with one per prompt."""
         items = self.intake.batch(input_ids, prompts, sampling_params)
+        adapters = self.intake.lora_names(lora_name, len(items))
         # Validate every prompt before queueing any: a bad one must not leave half a batch.
         all_reqs: list[Req] = []
-        for i, (ids, text, params) in enumerate(items):
-            all_reqs.extend(self.intake.make_reqs(ids, text, params, None, i, namespace))
+        for i, ((ids, text, params), adapter) in enumerate(zip(items, adapters)):
+            all_reqs.extend(self.intake.make_reqs(ids, text, params, None, i, namespace, adapter))
         for req in all_reqs:
             self.scheduler.add(req)
         wanted = {r.rid for r in all_reqs}
@@ -171,9 +177,8 @@ class Engine(WeightUpdatesMixin):
         the old weights) and the version goes up.
         """
         check_bool(full, "full")
-        if pause_mode not in _PAUSE_MODES:
-            raise ValueError(f"pause_mode={pause_mode!r}: expected one of {_PAUSE_MODES}")
-        writes = plan_writes(self.model, _named_tensor_list(named_tensors), full=full)
+        check_pause_mode(pause_mode)
+        writes = plan_writes(self.model, named_tensor_list(named_tensors), full=full)
         self._pause(pause_mode)
         apply_writes(writes)
         if self.device.type == "cuda":
@@ -203,20 +208,6 @@ class Engine(WeightUpdatesMixin):
         if self.scheduler.running:
             raise RuntimeError("flush_cache: requests are running")
         self.kv.flush()
-
-
-def _named_tensor_list(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Take the whole stream (a transport must be read to its end to stay in step with the
-    trainer, even when the update is refused), checking it is (name, tensor) pairs."""
-    if isinstance(named_tensors, dict):
-        raise TypeError("named_tensors: expected an iterable of (name, tensor) pairs; for a dict pass .items()")
-    if isinstance(named_tensors, torch.nn.Module):
-        raise TypeError("named_tensors: got a module; pass model.named_parameters() or weightsync.iter_hf_weights(model)")
-    items = list(named_tensors)
-    for i, item in enumerate(items):
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError(f"named_tensors[{i}]: expected a (name: str, tensor) pair, got {type(item).__name__}")
-    return [tuple(item) for item in items]  # type: ignore[misc]
 
 
 def _progress_line(done: int, total: int, tokens: int, seconds: float) -> None:

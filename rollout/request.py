@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from rollout.validate import check_bool, check_float, check_int, check_str
@@ -76,6 +77,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class AdapterKey:
+    """The radix namespace of requests run under an adapter."""
+
+    namespace: str | None
+    lora_name: str
+    version: int
+
+
 def derive_seed(seed: int, sample_index: int) -> int:
     """Seed of sample i of n: a hash, so that samples of one prompt are independent and
     the same (seed, i) always gives the same stream whatever else is batched."""
@@ -91,7 +101,13 @@ class Req:
     seed: int  # this sample's own seed (derived from params.seed and sample_index)
     prompt_index: int = 0
     sample_index: int = 0
-    namespace: str | None = None  # radix-cache key namespace: the adapter id, None for the base model
+    namespace: str | None = None  # the caller's radix-cache namespace (None: shared)
+    # LoRA: the adapter this request runs under (None: the base model), its version (the
+    # engine bumps it on the waiting requests of an updated adapter) and, while running,
+    # the device slot its weights sit in.
+    lora_name: str | None = None
+    lora_version: int = 0
+    lora_slot: int = -1
     arrival: int = 0  # admission order; retraction takes the newest first
 
     output_ids: list[int] = field(default_factory=list)
@@ -99,6 +115,7 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # (weight_version, first output index, end output index) for each run of tokens
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    lora_version_spans: list[tuple[int, int, int]] = field(default_factory=list)  # the same for the adapter
     finish_reason: str | None = None
 
     # KV bookkeeping, by counters: tokens [0, num_computed_tokens) of all_ids have KV.
@@ -124,6 +141,14 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def cache_key(self) -> Hashable:
+        """Radix-tree namespace: KV made under one adapter version is never served to
+        another version, another adapter or the base model."""
+        if self.lora_name is None:
+            return self.namespace
+        return AdapterKey(self.namespace, self.lora_name, self.lora_version)
+
+    @property
     def seq_len(self) -> int:
         """Tokens in the sequence, counting sampled tokens the host has not read yet."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
@@ -142,11 +167,17 @@ class Req:
         self.logprobs.append(logprob)
         if top is not None:
             self.top_logprobs.append(top)
-        if self.version_spans and self.version_spans[-1][0] == version and self.version_spans[-1][2] == idx:
-            v, start, _ = self.version_spans[-1]
-            self.version_spans[-1] = (v, start, idx + 1)
-        else:
-            self.version_spans.append((version, idx, idx + 1))
+        _extend_spans(self.version_spans, version, idx)
+        if self.lora_name is not None:
+            _extend_spans(self.lora_version_spans, self.lora_version, idx)
+
+
+def _extend_spans(spans: list[tuple[int, int, int]], version: int, idx: int) -> None:
+    """Record that output token idx came from `version`: runs of one version are one span."""
+    if spans and spans[-1][0] == version and spans[-1][2] == idx:
+        spans[-1] = (version, spans[-1][1], idx + 1)
+    else:
+        spans.append((version, idx, idx + 1))
 
 
 @dataclass
@@ -163,6 +194,8 @@ class RolloutOutput:
     weight_version: int  # the version that produced the last token (or current, if none)
     weight_versions: list[tuple[int, int, int]]  # (version, start, end) spans over token_ids
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    lora_name: str | None = None  # the adapter that made the tokens (None: the base model)
+    lora_versions: list[tuple[int, int, int]] | None = None  # (adapter version, start, end) spans
 
     @classmethod
     def from_req(cls, req: Req, text: str | None, current_version: int) -> RolloutOutput:
@@ -179,4 +212,6 @@ class RolloutOutput:
             weight_version=req.version_spans[-1][0] if req.version_spans else current_version,
             weight_versions=list(req.version_spans),
             top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
+            lora_name=req.lora_name,
+            lora_versions=list(req.lora_version_spans) if req.lora_name is not None else None,
         )

@@ -15,10 +15,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
+from typing import TYPE_CHECKING
 
 from rollout.cache.manager import KVManager
 from rollout.config import EngineConfig
 from rollout.request import Req
+
+if TYPE_CHECKING:
+    from lora.manager import LoraManager
 
 _LPM_MAX_WAITING = 128  # above this, sorting by prefix match costs more than it saves
 
@@ -43,9 +47,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, lora: LoraManager | None = None) -> None:
         self.config = config
         self.kv = kv
+        # Running requests' adapters always sit in device slots, so a step never mixes more
+        # adapters than there are slots: a request whose adapter finds no slot waits.
+        self.lora = lora
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order, oldest first
         self._arrival = count()
@@ -72,7 +79,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.release(req)
+        self._release(req)
         for follower in req.followers:  # a leader that leaves before forking frees its followers
             follower.leader = None
         req.followers = []
@@ -82,10 +89,17 @@ class Scheduler:
         self.waiting.remove(req)
         req.arrival = next(self._arrival)
         self.running.append(req)
+        if self.lora is not None and req.lora_name is not None:
+            self.lora.acquire(req)  # its leader's adapter: resident and in use, so never short
+
+    def _release(self, req: Req) -> None:
+        self.kv.release(req)
+        if self.lora is not None:
+            self.lora.release(req)
 
     def retract(self, req: Req) -> None:
         self.running.remove(req)
-        self.kv.release(req)
+        self._release(req)
         self.waiting.appendleft(req)
 
     def retract_all(self, which: Callable[[Req], bool] | None = None) -> list[Req]:
@@ -148,9 +162,14 @@ class Scheduler:
                 break
             if req.leader is not None or req.num_inflight:
                 continue  # waits for its leader's prompt (then forks it) / for its last token
+            lora = self.lora if req.lora_name is not None else None
+            if lora is not None and not lora.can_acquire(req.lora_name):  # type: ignore[arg-type]
+                continue  # every slot serves a running adapter: this one waits, others may go
             n = self.kv.admit(req, budget, reserve)
             if n is None:
                 break
+            if lora is not None:
+                lora.acquire(req)
             self.waiting.remove(req)
             req.arrival = next(self._arrival)
             self.running.append(req)

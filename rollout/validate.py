@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -84,3 +84,25 @@ def token_ids(value: Any, where: str) -> list[int]:
             raise TypeError(f"{where}: token {i} is {t!r} ({_type_name(t)}); token ids must be ints")
         out.append(int(t))
     return out
+
+
+PAUSE_MODES = ("wait", "abort", "retract")
+
+
+def check_pause_mode(pause_mode: Any) -> None:
+    if pause_mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode={pause_mode!r}: expected one of {PAUSE_MODES}")
+
+
+def named_tensor_list(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Take the whole stream (a transport must be read to its end to stay in step with the
+    trainer, even when the update is refused), checking it is (name, tensor) pairs."""
+    if isinstance(named_tensors, dict):
+        raise TypeError("named_tensors: expected an iterable of (name, tensor) pairs; for a dict pass .items()")
+    if hasattr(named_tensors, "named_parameters"):
+        raise TypeError("named_tensors: got a module; pass model.named_parameters() or weightsync.iter_hf_weights(model)")
+    items = list(named_tensors)
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"named_tensors[{i}]: expected a (name: str, tensor) pair, got {type(item).__name__}")
+    return [tuple(item) for item in items]  # type: ignore[misc]

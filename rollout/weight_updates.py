@@ -7,6 +7,7 @@ CUDA IPC buckets from a trainer process on the same GPU, and a safetensors direc
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,14 +55,23 @@ class WeightUpdatesMixin:
         self._sync_group = open_group(master_addr, master_port, rank_offset, world_size, backend=backend,
                                       timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device)
 
-    def update_weights_from_distributed(self, *, full: bool = True, pause_mode: str = "retract") -> int:
+    def _apply_update(self, lora_name: str | None, full: bool, pause_mode: str) -> Callable[[Iterable], int]:
+        """Where a received stream goes: the base weights, or (LoRA-only sync: the trainer
+        sends `iter_hf_weights(peft_model, adapter_only=True)`, a few MB) one adapter."""
+        if lora_name is None:
+            return lambda stream: self.update_weights(stream, full=full, pause_mode=pause_mode)  # type: ignore[attr-defined]
+        check_str(lora_name, "lora_name")
+        return lambda stream: self.update_lora_adapter(lora_name, stream, pause_mode=pause_mode)  # type: ignore[attr-defined]
+
+    def update_weights_from_distributed(self, *, full: bool = True, pause_mode: str = "retract",
+                                        lora_name: str | None = None) -> int:
         """Receive one broadcast update from the trainer (it calls BroadcastSender.send)."""
         from weightsync.transports.broadcast import receive
 
         if self._sync_group is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync_group() first")
-        return self.update_weights(receive(self._sync_group, device=self.device), full=full,  # type: ignore[attr-defined]
-                                   pause_mode=pause_mode)
+        apply = self._apply_update(lora_name, full, pause_mode)
+        return apply(receive(self._sync_group, device=self.device))  # type: ignore[attr-defined]
 
     def destroy_weight_sync_group(self) -> None:
         from weightsync.transports.group import close_group
@@ -71,22 +81,31 @@ class WeightUpdatesMixin:
             close_group(group)
 
     def update_weights_from_ipc(self, endpoint: str, *, full: bool = True, pause_mode: str = "retract",
-                                timeout_s: float = 300.0) -> int:
+                                timeout_s: float = 300.0, lora_name: str | None = None) -> int:
         """Serve one CUDA IPC update on `endpoint` (loopback tcp or ipc://); the trainer's
         CudaIpcSender.send() returns the new version or raises with the engine's error."""
         from weightsync.transports.cuda_ipc import CudaIpcReceiver
 
         check_str(endpoint, "endpoint")
+        apply = self._apply_update(lora_name, full, pause_mode)
         receiver = CudaIpcReceiver(endpoint, device=self.device, timeout_s=timeout_s)  # type: ignore[attr-defined]
         try:
-            return receiver.serve_once(lambda stream: self.update_weights(stream, full=full, pause_mode=pause_mode))
+            return receiver.serve_once(apply)
         finally:
             receiver.close()
 
-    def update_weights_from_disk(self, path: str | Path, *, full: bool = True, pause_mode: str = "retract") -> int:
-        """Load an update from a safetensors directory (with or without an index)."""
+    def update_weights_from_disk(self, path: str | Path, *, full: bool = True, pause_mode: str = "retract",
+                                 lora_name: str | None = None) -> int:
+        """Load an update from a safetensors directory (with or without an index), or with
+        `lora_name` an adapter's new tensors from a PEFT directory (save_pretrained)."""
         from rollout.model.loader import iter_checkpoint
 
         if not isinstance(path, (str, Path)) or not Path(path).is_dir():
             raise ValueError(f"update_weights_from_disk: path={path!r} is not a directory")
-        return self.update_weights(iter_checkpoint(path), full=full, pause_mode=pause_mode)
+        apply = self._apply_update(lora_name, full, pause_mode)
+        if lora_name is not None:
+            from lora.adapter import load_adapter_dir
+
+            _, tensors = load_adapter_dir(path)
+            return apply(tensors.items() if isinstance(tensors, dict) else tensors)
+        return apply(iter_checkpoint(path))

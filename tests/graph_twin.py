@@ -28,7 +28,7 @@ class EagerDecodeGraphs(DecodeGraphs):
             fb = self._static_batch(bs)
 
             def fn(fb=fb, bs=bs):
-                self.backend.plan_capture(fb, self.max_context)  # a real graph keeps this plan baked in
+                self.plan_capture(fb)  # a real graph keeps this plan baked in
                 return self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
 
             self.logits[bs] = fn().clone()

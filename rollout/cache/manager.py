@@ -15,7 +15,7 @@ import torch
 
 from rollout.cache.kv_pool import KVPool, OutOfSlots, ReqSlotTable
 from rollout.cache.radix import RadixCache
-from rollout.request import Req
+from rollout.request import AdapterKey, Req
 
 
 class KVManager:
@@ -53,7 +53,7 @@ class KVManager:
         """How many leading tokens the tree could serve (without locking): for ordering."""
         if self.tree is None:
             return 0
-        slots, _ = self.tree.match_prefix(req.all_ids[: req.seq_len - 1], req.namespace)
+        slots, _ = self.tree.match_prefix(req.all_ids[: req.seq_len - 1], req.cache_key)
         return slots.numel()
 
     def admit(self, req: Req, num_new_tokens: int, reserve_pages: int = 0) -> int | None:
@@ -66,7 +66,7 @@ class KVManager:
         node = None
         if self.tree is not None:
             # At least one token must be computed to get the logits for the next one.
-            prefix_slots, node = self.tree.match_prefix(req.all_ids[: req.seq_len - 1], req.namespace)
+            prefix_slots, node = self.tree.match_prefix(req.all_ids[: req.seq_len - 1], req.cache_key)
             self.tree.inc_lock(node)
         prefix = prefix_slots.numel()
         chunk = min(num_new_tokens, req.seq_len - prefix)
@@ -126,7 +126,7 @@ class KVManager:
         start_free = req.num_prefix_tokens if self.tree is not None else 0
         if self.tree is not None:
             n = self.tree.aligned(req.num_computed_tokens)
-            present = self.tree.insert(req.all_ids[:n], slots[:n], req.namespace)
+            present = self.tree.insert(req.all_ids[:n], slots[:n], req.cache_key)
             # [prefix, present): the tree already had other slots for these tokens.
             self.allocator.free_slots(slots[req.num_prefix_tokens : present])
             start_free = n
@@ -147,9 +147,9 @@ class KVManager:
         row = leader.req_pool_idx
         n = self.tree.aligned(leader.num_computed_tokens)
         slots = self.table[row, :n].clone()
-        present = self.tree.insert(leader.all_ids[:n], slots, leader.namespace)
+        present = self.tree.insert(leader.all_ids[:n], slots, leader.cache_key)
         self.allocator.free_slots(slots[leader.num_prefix_tokens : present])
-        tree_slots, node = self.tree.match_prefix(leader.all_ids[:n], leader.namespace)
+        tree_slots, node = self.tree.match_prefix(leader.all_ids[:n], leader.cache_key)
         self.table[row, :n] = tree_slots
         self.tree.inc_lock(node)
         self.tree.dec_lock(leader.last_node)  # type: ignore[arg-type]
@@ -180,3 +180,8 @@ class KVManager:
     def flush(self) -> None:
         if self.tree is not None:
             self.tree.flush()
+
+    def drop_adapter(self, lora_name: str) -> None:
+        """Drop the cached KV of every version of one adapter (updated or unloaded)."""
+        if self.tree is not None:
+            self.tree.drop_namespaces(lambda key: isinstance(key, AdapterKey) and key.lora_name == lora_name)

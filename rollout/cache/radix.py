@@ -185,6 +185,27 @@ class RadixCache:
                 heapq.heappush(heap, parent)
         return freed
 
+    def drop_namespaces(self, which: Callable[[Hashable], bool]) -> int:
+        """Drop every cached prefix of the namespaces `which` selects (an adapter updated or
+        unloaded: its KV is stale), leaving the others. Returns how many tokens were freed.
+        No request may hold a lock in them (the engine retracts or waits for those first)."""
+        freed = 0
+        for namespace in [ns for ns in self.roots if which(ns)]:
+            stack = list(self.roots[namespace].children.values())
+            nodes = []
+            while stack:
+                node = stack.pop()
+                if node.lock_ref:
+                    raise RuntimeError(f"radix: namespace {namespace!r} still has KV locked by a running request")
+                nodes.append(node)
+                stack.extend(node.children.values())
+            for node in nodes:
+                self._free_slots(node.value)
+                self.evictable_size -= len(node.key)
+                freed += len(node.key)
+            del self.roots[namespace]
+        return freed
+
     def flush(self) -> None:
         """Drop every cached prefix (after a weight update the KV is stale)."""
         if self.protected_size:

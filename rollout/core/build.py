@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from rollout.model.llama import LlamaModel
 from rollout.model.loader import iter_checkpoint, load_weights
 from rollout.model.runner import ModelRunner
 from rollout.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from lora.manager import LoraManager
 
 log = logging.getLogger("rollout")
 _CPU_DEFAULT_TOKENS = 32768  # KV budget on CPU when max_total_tokens is not given
@@ -42,6 +46,7 @@ class EngineParts:
     kv: KVManager
     scheduler: Scheduler
     runner: ModelRunner
+    lora: LoraManager | None  # adapters and their device slots (EngineConfig.enable_lora)
 
 
 def check_device(device: str) -> torch.device:
@@ -78,15 +83,16 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
 
+    lora = build_lora(config, cfg, model, device) if config.enable_lora else None
     max_tokens = config.max_total_tokens or _default_kv_tokens(config, cfg, device)
     kv_pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_tokens, config.page_size,
                      config.torch_dtype, device)
     table_width = min(context_len, kv_pool.allocator.capacity_slots) + config.page_size
     req_table = ReqSlotTable(config.max_running_requests + 1, table_width)
     kv = KVManager(kv_pool, req_table, config.enable_radix_cache)
-    scheduler = Scheduler(config, kv)
+    scheduler = Scheduler(config, kv, lora)
     backend = make_backend(config.attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
-    runner = ModelRunner(model, backend, req_table.table, device)
+    runner = ModelRunner(model, backend, req_table.table, device, lora.pool if lora is not None else None)
     log.info("KV cache: %d tokens fit (%d pages of %d, %.1f GiB) on %s", kv.capacity,
              kv_pool.allocator.num_pages - 1, config.page_size,
              2 * sum(b.numel() * b.element_size() for b in kv_pool.k_buffers) / 2**30, device)
@@ -99,7 +105,22 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
         # The 1 - fraction left after KV holds graphs, attention workspace and activations.
         log.info("GPU memory after KV, graphs and workspace: %.1f GiB free for activations",
                  cuda_free_bytes(device) / 2**30)
-    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner)
+    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora)
+
+
+def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaModel, device: torch.device) -> LoraManager:
+    """Adapter slots (sized by the config's limits) and a hook on every targeted projection.
+    Built before the KV pool, so the KV budget on GPU is what is left after the slots."""
+    from lora.manager import LoraManager
+    from lora.pool import LoraPool
+
+    pool = LoraPool(cfg, config.max_loras_per_batch, config.max_lora_rank, config.lora_target_modules,
+                    config.torch_dtype, device)
+    for layer, name, linear in model.projections():
+        linear.lora = pool.hook(layer, name)
+    log.info("LoRA: %d slots of rank <= %d on %s (%.2f GiB)", pool.num_slots, pool.max_rank,
+             "/".join(config.lora_target_modules), pool.nbytes() / 2**30)
+    return LoraManager(pool, cfg, config.torch_dtype, config.max_lora_rank, config.max_loaded_loras)
 
 
 def _default_kv_tokens(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> int:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout.request import Req, SamplingParams, derive_seed
 from rollout.validate import check_int, check_str, token_ids
+
+if TYPE_CHECKING:
+    from lora.manager import LoraManager
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,9 @@ class Limits:
 
 class Intake:
     def __init__(self, limits: Limits, tokenizer, id_in_use: Callable[[str], bool], seed: int,
-                 fork_samples: bool) -> None:
+                 fork_samples: bool, lora: LoraManager | None = None) -> None:
         self.limits = limits
+        self.lora = lora
         self.fork_samples = fork_samples  # n > 1: samples fork the first one's prompt KV (needs the radix tree)
         self.tokenizer = tokenizer
         self._id_in_use = id_in_use
@@ -66,8 +70,26 @@ class Intake:
             return [(None, p, sp) for p, sp in zip(items, params_list)]
         return [(ids, None, sp) for ids, sp in zip(items, params_list)]
 
+    def lora_names(self, lora_name: Any, num_prompts: int) -> list[str | None]:
+        """generate()'s lora_name (one for all prompts, or a list with one per prompt)."""
+        if isinstance(lora_name, (list, tuple)):
+            if len(lora_name) != num_prompts:
+                raise ValueError(f"lora_name has {len(lora_name)} entries for {num_prompts} prompts")
+            return list(lora_name)
+        return [lora_name] * num_prompts
+
+    def _adapter_version(self, lora_name: Any, where: str) -> int:
+        if not isinstance(lora_name, str):
+            raise TypeError(f"{where}: lora_name={lora_name!r}: expected an adapter name (str) or None")
+        if self.lora is None:
+            raise ValueError(f"{where}: lora_name={lora_name!r} but LoRA is off (EngineConfig(enable_lora=True))")
+        entry = self.lora.adapters.get(lora_name)
+        if entry is None:
+            raise ValueError(f"{where}: lora_name={lora_name!r} is not loaded (loaded: {sorted(self.lora.adapters)})")
+        return entry.version
+
     def make_reqs(self, input_ids: Any, prompt: str | None, params: Any, request_id: Any, prompt_index: int,
-                  namespace: Any) -> list[Req]:
+                  namespace: Any, lora_name: Any = None) -> list[Req]:
         """One prompt's n samples as Reqs (not queued). Raises before anything changes."""
         where = f"prompt {prompt_index}"
         if not isinstance(params, SamplingParams):
@@ -102,6 +124,7 @@ class Intake:
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace={namespace!r}: expected a str or None, got {type(namespace).__name__}")
         check_int(prompt_index, "prompt_index", min=0)
+        lora_version = 0 if lora_name is None else self._adapter_version(lora_name, where)
         if request_id is None:
             base = f"req-{self._next_id}"
             self._next_id += 1
@@ -112,7 +135,8 @@ class Intake:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         reqs = [
             Req(rid=base if params.n == 1 else f"{base}-{i}", prompt_ids=ids, params=params,
-                seed=derive_seed(seed, i), prompt_index=prompt_index, sample_index=i, namespace=namespace)
+                seed=derive_seed(seed, i), prompt_index=prompt_index, sample_index=i, namespace=namespace,
+                lora_name=lora_name, lora_version=lora_version)
             for i in range(params.n)
         ]
         if len(reqs) > 1 and self.fork_samples:

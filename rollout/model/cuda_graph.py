@@ -14,12 +14,16 @@ FlashInfer (one wrapper per size, re-planned by `plan_replay` before each replay
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.model.forward_batch import ForwardBatch
 from rollout.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from lora.pool import LoraPool
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -29,7 +33,7 @@ def batch_size_ladder(max_bs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, backend: AttentionBackend, max_bs: int, max_context: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora: LoraPool | None = None) -> None:
         if not backend.graphable:
             raise ValueError(f"attention backend {backend.name!r} cannot run inside a CUDA graph")
         self.model, self.backend, self.device = model, backend, device
@@ -42,6 +46,11 @@ class DecodeGraphs:
         self.kv_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)
         self.kv_indices = torch.zeros(max_bs * max_context, dtype=torch.int32, **kw)
         self._pad_indptr = torch.arange(1, max_bs + 1, dtype=torch.int32, **kw)
+        # LoRA: each row's adapter slot (padding rows -1, the base model). The ops are captured
+        # in every graph, so a replay serves any mix of adapters; base rows exit at once.
+        self.lora = lora
+        self.lora_slots = torch.full((max_bs,), -1, dtype=torch.int32, **kw)
+        self._qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)  # one token per row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -49,11 +58,17 @@ class DecodeGraphs:
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
-            qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=self.device),
+            qo_indptr=self._qo_indptr[: bs + 1],
             kv_indptr=self.kv_indptr[: bs + 1], kv_indices=self.kv_indices,
             logits_indices=torch.arange(bs, device=self.device),
             extend_lens=[1] * bs, seq_lens=[self.max_context] * bs, num_decode=bs,
         )
+
+    def plan_capture(self, fb: ForwardBatch) -> None:
+        """Fix what the captured kernels read: the backend's metadata and the LoRA inputs."""
+        self.backend.plan_capture(fb, self.max_context)
+        if self.lora is not None:
+            self.lora.plan(fb.qo_indptr, self.lora_slots[: fb.batch_size], 1, True)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -61,7 +76,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             fb = self._static_batch(bs)
-            self.backend.plan_capture(fb, self.max_context)
+            self.plan_capture(fb)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
@@ -90,6 +105,8 @@ class DecodeGraphs:
         self.out_cache_loc[:b].copy_(fb.out_cache_loc)
         self.kv_indptr[: b + 1].copy_(fb.kv_indptr)
         self.kv_indices[:nnz].copy_(fb.kv_indices)
+        if self.lora is not None:
+            self.lora_slots[:b].copy_(fb.lora_slots)  # type: ignore[arg-type]
         if bs > b:  # padding rows: token 0 at position 0, one KV entry at slot 0
             pad = bs - b
             self.input_ids[b:bs].zero_()
@@ -97,6 +114,7 @@ class DecodeGraphs:
             self.out_cache_loc[b:bs].zero_()
             self.kv_indptr[b + 1 : bs + 1].copy_(self._pad_indptr[:pad] + nnz)
             self.kv_indices[nnz : nnz + pad].zero_()
+            self.lora_slots[b:bs].fill_(-1)
         self.backend.plan_replay(fb, bs)
         self.graphs[bs].replay()
         self.num_replays += 1

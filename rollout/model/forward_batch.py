@@ -25,6 +25,10 @@ class ForwardBatch:
     extend_lens: list[int]
     seq_lens: list[int]  # KV length of each request after this step
     num_decode: int
+    # LoRA (None when the engine has no adapters enabled): each request's adapter slot (-1:
+    # base model), one segment per request (rows qo_indptr[b]:qo_indptr[b+1]).
+    lora_slots: torch.Tensor | None = None  # [B] int32
+    lora_active: bool = False  # host: any request on an adapter
 
     @property
     def batch_size(self) -> int:

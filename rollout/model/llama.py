@@ -9,6 +9,7 @@ batch of tokens (`[num_tokens, ...]`); it knows nothing about requests.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,9 +103,15 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        # Multi-LoRA: set by the adapter pool (lora/pool.py LoraHook); adds each request's
+        # adapter delta to this projection's output in place. None: no adapters here.
+        self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora(x, y)
+        return y
 
 
 class Attention(nn.Module):
@@ -187,6 +194,14 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, backend)
         return self.norm.add_norm(x, residual=residual)[0]
+
+    def projections(self) -> Iterator[tuple[int, str, Linear]]:
+        """(layer, name, module) of every projection an adapter can target."""
+        for i, layer in enumerate(self.layers):
+            yield i, "qkv_proj", layer.self_attn.qkv_proj
+            yield i, "o_proj", layer.self_attn.o_proj
+            yield i, "gate_up_proj", layer.mlp.gate_up_proj
+            yield i, "down_proj", layer.mlp.down_proj
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -7,6 +7,8 @@ that sample this step.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -17,11 +19,16 @@ from rollout.model.forward_batch import ForwardBatch
 from rollout.model.llama import LlamaModel
 from rollout.scheduler import ScheduledBatch
 
+if TYPE_CHECKING:
+    from lora.pool import LoraPool
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, backend: AttentionBackend, table: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, model: LlamaModel, backend: AttentionBackend, table: torch.Tensor, device: torch.device,
+                 lora: LoraPool | None = None) -> None:
         self.model = model
         self.backend = backend
+        self.lora = lora  # the adapter slots the model's projections read (None: LoRA off)
         self.table = table  # [max_requests, max_context] int64, CPU
         self.table_np = table.numpy()  # the same memory, for cheap row slicing
         self.device = device
@@ -31,7 +38,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(table.shape[0], dtype=torch.int64, device=device)
 
     def capture_decode_graphs(self, max_bs: int, max_context: int) -> None:
-        self.graphs = DecodeGraphs(self.model, self.backend, max_bs, max_context, self.device)
+        self.graphs = DecodeGraphs(self.model, self.backend, max_bs, max_context, self.device, self.lora)
         self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
@@ -97,6 +104,10 @@ class ModelRunner:
         def to_dev(t: torch.Tensor) -> torch.Tensor:
             return to_device(t, dev)
 
+        lora_slots, lora_active = None, False
+        if self.lora is not None:
+            slots = [r.lora_slot for r in batch.reqs]
+            lora_slots, lora_active = to_dev(torch.tensor(slots, dtype=torch.int32)), max(slots) >= 0
         input_ids = to_dev(input_ids)
         if inflight:  # tokens sampled last step, not yet seen by the host
             at, rows = torch.tensor(inflight, dtype=torch.int64).T
@@ -112,6 +123,8 @@ class ModelRunner:
             extend_lens=list(batch.extend_lens),
             seq_lens=seq_lens,
             num_decode=batch.num_decode,
+            lora_slots=lora_slots,
+            lora_active=lora_active,
         )
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
@@ -125,5 +138,7 @@ class ModelRunner:
             assert fb.logits_indices.numel() == fb.batch_size
             return self.graphs.replay(fb)
         self.backend.plan(fb)
+        if self.lora is not None:
+            self.lora.plan(fb.qo_indptr, fb.lora_slots, max(fb.extend_lens), fb.lora_active)  # type: ignore[arg-type]
         hidden = self.model(fb.input_ids, fb.positions, self.backend)
         return self.model.logits(hidden[fb.logits_indices])  # [R, vocab] float32

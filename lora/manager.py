@@ -1,0 +1,173 @@
+"""LoraManager: the one owner of where adapters live. Loaded adapters have a host copy
+(pinned, in the model's dtype, lora_B with its scaling folded in); the ones running requests
+use sit in device slots of the LoraPool. Invariants:
+
+- a slot holds at most one adapter, and an adapter at most one slot;
+- a slot whose adapter some running request uses (refs > 0) is never replaced; among the
+  others the least recently used is replaced first when a new adapter needs a slot;
+- an adapter's current values are in its slot when it has one, else in its host copy: an
+  update of a resident adapter writes the slot only (a few MB per step, no device->host
+  copy) and marks the host copy stale; it is read back before the slot is given away.
+
+The scheduler asks `can_acquire` / `acquire` / `release` per request; the engine's LoRA
+API (rollout/lora_api.py) adds, updates and removes adapters.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lora.adapter import LoraAdapterConfig, LoraWeights, plan_adapter_update
+from lora.pool import EngineAdapter, LoraPool
+from rollout.model.config import ModelConfig
+from rollout.request import Req
+
+
+@dataclass
+class AdapterEntry:
+    name: str
+    config: LoraAdapterConfig
+    weights: LoraWeights  # as loaded: updates are validated (names, shapes) against it, never written to it
+    host: EngineAdapter  # what a slot is filled from
+    version: int = 0
+    host_stale: bool = False  # the slot holds newer values than `host`
+
+
+@dataclass(frozen=True)
+class LoraAdapterInfo:
+    name: str
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]
+    version: int
+    slot: int | None  # device slot, None when only the host copy exists
+
+
+class LoraManager:
+    def __init__(self, pool: LoraPool, model_config: ModelConfig, dtype: torch.dtype, max_rank: int,
+                 max_loaded: int | None) -> None:
+        self.pool = pool
+        self.model_config = model_config
+        self.dtype = dtype
+        self.max_rank = max_rank
+        self.max_loaded = max_loaded
+        self.adapters: dict[str, AdapterEntry] = {}
+        n = pool.num_slots
+        self.slot_owner: list[str | None] = [None] * n
+        self.slot_refs = [0] * n
+        self._slot_used = [0] * n  # last-use clock, for LRU replacement
+        self._clock = itertools.count(1)
+        self._pin = pool.device.type == "cuda"
+
+    # ---- adapters -----------------------------------------------------------------------
+    def add(self, name: str, config: LoraAdapterConfig, weights: LoraWeights) -> AdapterEntry:
+        if name in self.adapters:
+            raise ValueError(f"lora_name={name!r}: an adapter of that name is loaded; unload it or use update_lora_adapter")
+        if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
+            raise ValueError(f"cannot load {name!r}: max_loaded_loras={self.max_loaded} adapters are loaded; unload one first")
+        outside = sorted(set(config.target_modules) - self.pool.targets)
+        if outside:
+            raise ValueError(f"adapter {name!r}: target_modules {outside} are outside the engine's "
+                             f"lora_target_modules {sorted(self.pool.targets)} (EngineConfig.lora_target_modules)")
+        host = {key: (self._host(a), self._host(b * config.scaling)) for key, (a, b) in weights.modules.items()}
+        entry = AdapterEntry(name, config, weights, host)
+        self.adapters[name] = entry
+        return entry
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to("cpu", self.dtype).contiguous()
+        return t.pin_memory() if self._pin else t
+
+    def remove(self, name: str) -> None:
+        """Forget an adapter (the caller has checked no request uses it)."""
+        slot = self.slot_of(name)
+        if slot is not None:
+            assert self.slot_refs[slot] == 0, "remove: adapter still in use"
+            self.slot_owner[slot] = None
+            self.pool.clear(slot)
+        del self.adapters[name]
+
+    def plan_update(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """Validate a whole update of one adapter (names, shapes, finiteness) before any write."""
+        return plan_adapter_update(self.adapters[name].weights, named_tensors, self.model_config)
+
+    def apply_update(self, name: str, writes) -> int:
+        """Write a validated update: into the slot when resident (the host copy goes stale
+        until the slot is given away), else into the host copy. Returns the new version."""
+        entry = self.adapters[name]
+        slot = self.slot_of(name)
+        scaled = [(layer, module, which, t if which == "A" else t * entry.config.scaling)
+                  for layer, module, which, t in _write_parts(writes)]
+        if slot is not None:
+            self.pool.write_modules(slot, iter(scaled), entry.config.r)
+            entry.host_stale = True
+        else:
+            for layer, module, which, value in scaled:
+                a, b = entry.host[layer, module]
+                (a if which == "A" else b).copy_(value)
+        entry.version += 1
+        return entry.version
+
+    def info(self) -> list[LoraAdapterInfo]:
+        return [
+            LoraAdapterInfo(e.name, e.config.r, e.config.lora_alpha, e.config.scaling,
+                            tuple(sorted(e.config.target_modules)), e.version, self.slot_of(e.name))
+            for e in self.adapters.values()
+        ]
+
+    # ---- slots ------------------------------------------------------------------------
+    def slot_of(self, name: str) -> int | None:
+        try:
+            return self.slot_owner.index(name)
+        except ValueError:
+            return None
+
+    def can_acquire(self, name: str) -> bool:
+        return name in self.slot_owner or any(r == 0 for r in self.slot_refs)
+
+    def acquire(self, req: Req) -> None:
+        """Give a request admitted under an adapter its slot (loading the adapter into the
+        least recently used free slot if it is not resident). Call can_acquire first."""
+        name = req.lora_name
+        assert name is not None
+        slot = self.slot_of(name)
+        if slot is None:
+            slot = self._free_slot()
+            entry = self.adapters[name]
+            self.pool.write(slot, entry.host, entry.config.r)
+            self.slot_owner[slot] = name
+        self.slot_refs[slot] += 1
+        self._slot_used[slot] = next(self._clock)
+        req.lora_slot = slot
+
+    def release(self, req: Req) -> None:
+        if req.lora_slot < 0:
+            return
+        self.slot_refs[req.lora_slot] -= 1
+        self._slot_used[req.lora_slot] = next(self._clock)
+        req.lora_slot = -1
+
+    def _free_slot(self) -> int:
+        empty = [s for s, owner in enumerate(self.slot_owner) if owner is None]
+        if empty:
+            return empty[0]
+        idle = [s for s, refs in enumerate(self.slot_refs) if refs == 0]
+        if not idle:
+            raise RuntimeError("LoRA: no slot free (can_acquire was not asked)")
+        slot = min(idle, key=self._slot_used.__getitem__)
+        owner = self.adapters[self.slot_owner[slot]]  # type: ignore[index]
+        if owner.host_stale:  # the slot has the only current copy: read it back first
+            self.pool.read(slot, owner.host, owner.config.r)
+            owner.host_stale = False
+        self.slot_owner[slot] = None
+        return slot
+
+
+def _write_parts(writes) -> list[tuple[int, str, str, torch.Tensor]]:
+    """(layer, HF module, "A"|"B", value) for each planned write."""
+    return [(w.layer, w.module, w.which, w.tensor) for w in writes]

@@ -1,0 +1,126 @@
+"""LoraPool: the device slots adapters run from, and the per-layer hooks that apply them.
+
+For every layer and every engine module an adapter may target, two buffers hold all slots:
+    A: [num_slots, num_slices * max_rank, in_features]   (lora_A of each slice, rank-padded)
+    B: [num_slots, out_features, max_rank]                (lora_B * scaling, slice j on its columns)
+plus `slot_ranks` [num_slots] int32. Their addresses never change, so a decode CUDA graph
+captured once replays any mix of adapters: a step only writes which slot each request uses.
+
+The pool knows buffers and slot contents; which adapter sits in which slot, and when one
+may be replaced, is LoraManager's business (manager.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lora.layout import HF_TO_ENGINE, ModuleShape, engine_modules_for, module_shapes
+from lora.ops import sgmv_expand, sgmv_shrink
+from rollout.model.config import ModelConfig
+
+# (layer, HF module name) -> (lora_A [rank, in], lora_B * scaling [out, rank]), model dtype
+EngineAdapter = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class LoraBatch:
+    """One step's adapters: segment g (rows seg_indptr[g]:seg_indptr[g+1], one request) runs
+    under slot seg_slots[g] (-1: base model)."""
+
+    seg_indptr: torch.Tensor  # [B+1] int32, device
+    seg_slots: torch.Tensor  # [B] int32, device
+    max_seg_len: int  # host: >= the longest segment (sizes the kernels' grid)
+    active: bool  # host: does any request use an adapter (eager steps skip the ops when not)
+
+
+class LoraPool:
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, targets: tuple[str, ...],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_slots, self.max_rank, self.device = num_slots, max_rank, device
+        shapes = module_shapes(cfg)
+        self.shapes: dict[str, ModuleShape] = {m: shapes[m] for m in engine_modules_for(targets)}
+        self.targets = frozenset(targets)
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(cfg.num_layers):
+            for name, s in self.shapes.items():
+                self.a[layer, name] = torch.zeros(num_slots, s.num_slices * max_rank, s.in_features, dtype=dtype, device=device)
+                self.b[layer, name] = torch.zeros(num_slots, s.out_features, max_rank, dtype=dtype, device=device)
+        self.slot_ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.batch: LoraBatch | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    # ---- slot contents ----------------------------------------------------------------
+    def _views(self, slot: int, layer: int, hf_module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts of `slot`'s buffers that hold one module's A [rank, in] and B [out, rank]."""
+        name, j = HF_TO_ENGINE[hf_module]
+        shape, r = self.shapes[name], self.max_rank
+        off = shape.slice_offsets
+        a = self.a[layer, name][slot, j * r : j * r + rank]
+        b = self.b[layer, name][slot, off[j] : off[j + 1], :rank]
+        return a, b
+
+    @torch.no_grad()
+    def write(self, slot: int, adapter: EngineAdapter, rank: int) -> None:
+        """Put an adapter in `slot` (whatever was there is gone): modules it lacks are zero."""
+        for key in self.a:
+            self.a[key][slot].zero_()
+            self.b[key][slot].zero_()
+        for (layer, hf_module), (a, b) in adapter.items():
+            a_dst, b_dst = self._views(slot, layer, hf_module, rank)
+            a_dst.copy_(a, non_blocking=True)
+            b_dst.copy_(b, non_blocking=True)
+        self.slot_ranks[slot] = rank
+
+    @torch.no_grad()
+    def write_modules(self, slot: int, parts: Iterator[tuple[int, str, str, torch.Tensor]], rank: int) -> None:
+        """In-place update of some of a resident adapter's tensors: (layer, module, "A"|"B", value)."""
+        for layer, hf_module, which, value in parts:
+            a_dst, b_dst = self._views(slot, layer, hf_module, rank)
+            (a_dst if which == "A" else b_dst).copy_(value, non_blocking=True)
+
+    @torch.no_grad()
+    def read(self, slot: int, adapter: EngineAdapter, rank: int) -> None:
+        """Copy `slot`'s contents back into the host tensors of `adapter` (in place)."""
+        for (layer, hf_module), (a, b) in adapter.items():
+            a_src, b_src = self._views(slot, layer, hf_module, rank)
+            a.copy_(a_src)
+            b.copy_(b_src)
+
+    def clear(self, slot: int) -> None:
+        self.slot_ranks[slot] = 0
+
+    # ---- one step ---------------------------------------------------------------------
+    def plan(self, seg_indptr: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int, active: bool) -> None:
+        """The next forward's adapters (a CUDA graph capture plans its static buffers here)."""
+        self.batch = LoraBatch(seg_indptr, seg_slots, max_seg_len, active)
+
+    def hook(self, layer: int, module: str) -> LoraHook | None:
+        return LoraHook(self, layer, module) if module in self.shapes else None
+
+
+class LoraHook:
+    """Installed on one projection (`Linear.lora`): adds the step's adapter deltas to its
+    output in place, two batched kernels per call whatever the mix of adapters."""
+
+    def __init__(self, pool: LoraPool, layer: int, module: str) -> None:
+        self.pool = pool
+        self.a, self.b = pool.a[layer, module], pool.b[layer, module]
+        shape = pool.shapes[module]
+        self.num_slices, self.slice_offsets = shape.num_slices, shape.slice_offsets
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        # x: [T, in], out: [T, out] (the base projection's result, updated in place)
+        batch = self.pool.batch
+        if batch is None or not batch.active:
+            return
+        pool = self.pool
+        h = sgmv_shrink(x, self.a, batch.seg_indptr, batch.seg_slots, pool.slot_ranks,
+                        num_slices=self.num_slices, max_rank=pool.max_rank, max_seg_len=batch.max_seg_len)
+        sgmv_expand(h, self.b, out, batch.seg_indptr, batch.seg_slots, pool.slot_ranks,
+                    slice_offsets=self.slice_offsets, max_rank=pool.max_rank, max_seg_len=batch.max_seg_len)

@@ -1,0 +1,111 @@
+"""The engine's LoRA API: load, list, update and unload adapters at runtime.
+
+A mixin (as weight_updates.py is) so that engine.py stays a facade. The work is done by
+lora/ (parsing and validation in adapter.py, slots in manager.py / pool.py); this file
+orders it against the running requests and the prefix cache:
+
+- an adapter's cached KV is keyed by (adapter, version), so an update or an unload drops
+  that adapter's entries only, and a request never reuses KV of another adapter, of the
+  base model, or of an older version of its own adapter;
+- an update is atomic: every tensor is validated before any is written, and the requests
+  running under that adapter are paused first (`pause_mode`, as for update_weights), so no
+  token is computed half with the old adapter and half with the new;
+- unloading an adapter that requests (running or waiting) use is refused: abort them or
+  let them finish first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rollout.validate import check_pause_mode, check_str, named_tensor_list
+
+if TYPE_CHECKING:
+    from lora.manager import LoraAdapterInfo, LoraManager
+    from rollout.request import Req
+
+
+class LoraAdaptersMixin:
+    """Needs `self.lora` (LoraManager | None), `self.kv`, `self.scheduler`, `self.config`,
+    `self.model_config` and `self._pause(mode, affected)`."""
+
+    lora: LoraManager | None
+
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            raise ValueError("LoRA is off for this engine: EngineConfig(enable_lora=True, max_loras_per_batch=..., "
+                             "max_lora_rank=...) turns it on")
+        return self.lora
+
+    def load_lora_adapter(self, name: str, path: str | Path | None = None, *,
+                          tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
+                          config: Mapping[str, Any] | None = None) -> LoraAdapterInfo:
+        """Load a PEFT adapter under `name`: from a directory (adapter_config.json +
+        adapter_model.safetensors; a pickled .bin is refused, never opened), or from a PEFT
+        state dict (`get_peft_model_state_dict` names) plus a LoraConfig-style dict."""
+        from lora.adapter import LoraAdapterConfig, load_adapter_dir, parse_adapter
+
+        manager = self._lora_manager()
+        check_str(name, "name")
+        if (path is None) == (tensors is None):
+            raise ValueError("load_lora_adapter takes a PEFT directory (path) or tensors= with config=, not both")
+        if path is not None:
+            if config is not None:
+                raise ValueError("load_lora_adapter: config= goes with tensors=; a directory has its own adapter_config.json")
+            config, tensors = load_adapter_dir(path)
+        elif config is None:
+            raise ValueError("load_lora_adapter(tensors=...) needs config= (a LoraConfig-style dict)")
+        if name in manager.adapters:
+            raise ValueError(f"lora_name={name!r}: an adapter of that name is loaded; unload it or use update_lora_adapter")
+        parsed = LoraAdapterConfig.from_dict(config, max_rank=manager.max_rank)
+        weights = parse_adapter(parsed, tensors, self.model_config)  # type: ignore[attr-defined]
+        manager.add(name, parsed, weights)
+        return next(i for i in manager.info() if i.name == name)
+
+    def list_lora_adapters(self) -> list[LoraAdapterInfo]:
+        return self._lora_manager().info()
+
+    def update_lora_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                            pause_mode: str = "retract") -> int:
+        """Replace some or all of an adapter's tensors in place (PEFT state-dict names);
+        returns its new version. Validated whole before anything is written; the requests
+        running under it are paused by `pause_mode` ("retract": resume under the new
+        version; "wait": finish under the old one first; "abort"); its cached KV is dropped.
+        Other adapters and the base model keep serving, their caches untouched."""
+        manager = self._lora_manager()
+        check_pause_mode(pause_mode)
+        items = named_tensor_list(named_tensors)  # the whole stream, even if refused below
+        if name not in manager.adapters:
+            raise ValueError(f"update_lora_adapter: lora_name={name!r} is not loaded (loaded: {sorted(manager.adapters)})")
+        writes = manager.plan_update(name, items)
+        self._pause(pause_mode, _uses(name))  # type: ignore[attr-defined]
+        version = manager.apply_update(name, writes)
+        self.kv.drop_adapter(name)  # type: ignore[attr-defined]
+        for req in self.scheduler.waiting:  # type: ignore[attr-defined]
+            if req.lora_name == name:
+                req.lora_version = version
+        return version
+
+    def unload_lora_adapter(self, name: str) -> None:
+        manager = self._lora_manager()
+        if name not in manager.adapters:
+            raise ValueError(f"unload_lora_adapter: lora_name={name!r} is not loaded (loaded: {sorted(manager.adapters)})")
+        sched = self.scheduler  # type: ignore[attr-defined]
+        users = [r.rid for r in (*sched.running, *sched.waiting) if r.lora_name == name]
+        if users or any(r.lora_name == name for r in self._inflight_reqs()):
+            raise ValueError(f"unload_lora_adapter: adapter {name!r} is used by {len(users)} request(s) "
+                             f"(e.g. {users[:3]}); abort them or let them finish first")
+        self.kv.drop_adapter(name)  # type: ignore[attr-defined]
+        manager.remove(name)
+
+    def _inflight_reqs(self) -> list[Req]:
+        launched = self.loop.inflight  # type: ignore[attr-defined]
+        return list(launched.reqs) if launched is not None else []
+
+
+def _uses(name: str) -> Callable[[Req], bool]:
+    return lambda req: req.lora_name == name
