@@ -59,7 +59,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from rollout import Engine, EngineConfig
-    from scripts.fetch_model import fetch_default_model
+    from rollout.model.fetch import fetch_default_model
 
     path = str(fetch_default_model())
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -24,7 +24,7 @@ def main() -> None:
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import write_shape_dir
-    from scripts.steady import PhaseTimer, run_to_decode
+    from rollout.bench.steady import PhaseTimer, run_to_decode
 
     model_dir = write_shape_dir("tiny", prefix="bench-host-")
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", page_size=args.page_size,

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rollout.distributed.ports import free_port
+from rollout.hf_trainer import random_trainer_model
 from rollout.model.shapes import write_shape_dir
 
 
@@ -37,26 +38,11 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 2 * 10 / (time.perf_counter() - start)
 
 
-def trainer_weights(model_dir: str, device: str, dtype: torch.dtype, seed: int):
-    """A trainer's model (HF class, random weights) and its (HF name, tensor) list."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    # from_config under a device context may leave memory uninitialized (NaN that the
-    # engine rightly refuses): fill it like a real checkpoint
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    return model
-
-
 def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, result_file: str, flat: bool) -> None:
     from weightsync.trainer import iter_hf_weights
     from weightsync.transports.cuda_ipc import CudaIpcSender
 
-    model = trainer_weights(model_dir, "cuda", torch.bfloat16, seed=1)
+    model = random_trainer_model(model_dir, "cuda", torch.bfloat16, seed=1)
     sender = CudaIpcSender(endpoint, bucket_bytes=bucket_bytes, flat=flat)
     times = []
     for _ in range(repeats + 1):  # the first one pays handle opening and allocator warm-up
@@ -81,7 +67,7 @@ def gpu(args) -> None:
     print(f"engine ready: {nbytes / 1e9:.2f} GB of weights; device copy {bw / 1e9:.0f} GB/s "
           f"-> copy floor {nbytes * 2 / bw * 1e3:.1f} ms (read + write once)", flush=True)
 
-    trainer = trainer_weights(model_dir, "cuda", torch.bfloat16, seed=0)
+    trainer = random_trainer_model(model_dir, "cuda", torch.bfloat16, seed=0)
     prompts = torch.randint(100, 100000, (32, 256)).tolist()
     rows = []
     in_process = []
@@ -148,7 +134,7 @@ def gloo_trainer(model_dir: str, port: int, repeats: int, bucket_bytes: int) -> 
 
 def cpu(args) -> None:
     from rollout import Engine, EngineConfig
-    from scripts.fetch_model import fetch_default_model
+    from rollout.model.fetch import fetch_default_model
 
     path = str(fetch_default_model())
     engine = Engine(EngineConfig(model=path))

@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
-    from scripts.fetch_model import fetch_default_model
+    from rollout.model.fetch import fetch_default_model
 
     path = args.model or str(fetch_default_model())
     print(f"loading {path}", flush=True)

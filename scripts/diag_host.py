@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.steady import PhaseTimer, run_to_decode
+from rollout.bench.steady import PhaseTimer, run_to_decode
 
 
 def fill(engine, batch: int, input_len: int, vocab: int, steps: int) -> None:

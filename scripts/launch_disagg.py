@@ -23,11 +23,6 @@ makes the others fail with a report of which peer was where, not hang.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from a clean clone
-
 import argparse
 import json
 import os
@@ -35,25 +30,24 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from rollout import Engine, SamplingParams
+from rollout.bench.broadcast import run_bench
 from rollout.distributed.collectives import broadcast_bytes, broadcast_int, gather_bytes
 from rollout.distributed.dp_rollout import run_dp_rollout
 from rollout.distributed.group import DistContext, init_distributed, shutdown
-from rollout.distributed.launch_args import add_common_args, build_engine, maybe_die, resolve_backend, resolve_model
+from rollout.distributed.launch_args import DTYPES, add_common_args, build_engine, maybe_die, resolve_backend, resolve_model
 from rollout.distributed.phases import phase
 from rollout.distributed.ports import free_port
 from rollout.distributed.prompts import load_prompts
+from rollout.hf_trainer import hf_greedy, load_trainer_model, toy_train_step
 from rollout.model.config import ModelConfig
 from rollout.request import RolloutOutput
 from rollout.wire import pack_outputs, unpack_outputs
-from scripts.toy_trainer import hf_greedy, load_trainer_model, toy_train_step
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class Roles:
@@ -121,7 +115,7 @@ def run_loop(args: argparse.Namespace, ctx: DistContext, roles: Roles) -> list[S
     with phase(ctx, "load model"):
         if roles.is_trainer(rank):
             torch.manual_seed(args.seed)
-            model = load_trainer_model(model_dir, load_format, _DTYPES[args.trainer_dtype], ctx.device, args.seed)
+            model = load_trainer_model(model_dir, load_format, DTYPES[args.trainer_dtype], ctx.device, args.seed)
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
             if trainer_group is not None:
                 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -211,7 +205,7 @@ def run_loop(args: argparse.Namespace, ctx: DistContext, roles: Roles) -> list[S
 def _weights(model: torch.nn.Module, engine_dtype: str):
     from weightsync.trainer import iter_hf_weights
 
-    return iter_hf_weights(model, dtype=_DTYPES[engine_dtype])  # send what the engine holds: bf16 halves the bytes
+    return iter_hf_weights(model, dtype=DTYPES[engine_dtype])  # send what the engine holds: bf16 halves the bytes
 
 
 def _int_bytes(value: int) -> torch.Tensor:
@@ -243,7 +237,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--trainer-ranks", type=int, default=1, help="ranks 0..T-1 train; the rest run engines")
-    parser.add_argument("--trainer-dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--trainer-dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--prompts", default=None, help="JSON list (or JSONL) of token-id lists (default: random)")
@@ -264,7 +258,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-port", type=int, default=0, help="0: rank 0 picks a free port")
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--bench-broadcast", action="store_true",
-                        help="instead of the loop: time the weight broadcast against raw broadcasts (scripts/bench_broadcast.py)")
+                        help="instead of the loop: time the weight broadcast against raw broadcasts (rollout/bench/broadcast.py)")
     parser.add_argument("--bench-repeats", type=int, default=3)
     return parser.parse_args(argv)
 
@@ -274,8 +268,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     roles = Roles(args.trainer_ranks, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_distributed(resolve_backend(args), args.device, args.timeout_s, roles.role_of)
     if args.bench_broadcast:
-        from scripts.bench_broadcast import run_bench
-
         result = run_bench(args, ctx, roles)
     else:
         records = run_loop(args, ctx, roles)

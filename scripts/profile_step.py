@@ -32,7 +32,7 @@ def main() -> None:
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import SHAPES, write_shape_dir
-    from scripts.steady import PhaseTimer, run_to_decode
+    from rollout.bench.steady import PhaseTimer, run_to_decode
 
     model_dir = write_shape_dir(args.shape, prefix=f"profile-{args.shape}-")
     cuda = args.device.startswith("cuda")

@@ -22,7 +22,7 @@ NEW = 40
 def smollm2():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scripts.fetch_model import fetch_default_model
+    from rollout.model.fetch import fetch_default_model
 
     path = fetch_default_model()
     tok = AutoTokenizer.from_pretrained(path)

@@ -15,13 +15,16 @@ from rollout.config import EngineConfig
 from rollout.distributed.group import DistContext
 from rollout.engine import Engine
 
+# --dtype (the engine's) and the trainer's dtype, by name
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="HF checkpoint dir, or a built-in shape name (llama8b, qwen06b) for random weights")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: each rank uses cuda:LOCAL_RANK")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with --device cuda, else gloo")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="every collective group's timeout")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank on CPU")
     parser.add_argument("--page-size", type=int, default=16)

@@ -30,12 +30,9 @@ import torch.distributed as dist
 
 from rollout.distributed.collectives import broadcast_int, gather_floats
 from rollout.distributed.group import DistContext
-from rollout.distributed.launch_args import resolve_model
+from rollout.distributed.launch_args import DTYPES, resolve_model
 from rollout.distributed.phases import phase
 from rollout.distributed.ports import free_port
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _sync(ctx: DistContext) -> None:
     if ctx.device.type == "cuda":
@@ -44,13 +41,12 @@ def _sync(ctx: DistContext) -> None:
 
 def run_bench(args: argparse.Namespace, ctx: DistContext, roles: Any) -> dict:
     from rollout import Engine, EngineConfig
+    from rollout.hf_trainer import load_trainer_model
     from weightsync.trainer import iter_hf_weights
     from weightsync.transports.broadcast import BroadcastSender, receive
     from weightsync.transports.group import close_group, open_group
 
-    from scripts.toy_trainer import load_trainer_model
-
-    rank, dtype = ctx.rank, _DTYPES[args.dtype]
+    rank, dtype = ctx.rank, DTYPES[args.dtype]
     member = roles.in_sync_group(rank)
     model_dir, _ = resolve_model(args.model, "dummy")
     members = [0] + list(range(roles.trainer_ranks, ctx.world_size))
@@ -140,4 +136,4 @@ def _print_table(ctx: DistContext, args: argparse.Namespace, nbytes: int, result
     print(f"{'':<44} | {'ms':>9} | {'GB/s':>7} | {'of torch bcast':>14}")
     for name, secs, times in results:
         print(f"{name:<44} | {secs * 1e3:>9.1f} | {nbytes / secs / 1e9:>7.2f} | {bar / secs:>13.1%}")
-    print(f"all times (ms): " + "; ".join(f"{n}: {[round(t * 1e3, 1) for t in ts]}" for n, _, ts in results), flush=True)
+    print("all times (ms): " + "; ".join(f"{n}: {[round(t * 1e3, 1) for t in ts]}" for n, _, ts in results), flush=True)

@@ -1,5 +1,6 @@
-"""Shared by the step-level diagnosis scripts (profile_step, diag_host, bench_host): bring
-an engine to steady decode, and time named engine methods in place."""
+"""Steady-state decode for the step-level diagnosis scripts (profile_step, diag_host,
+bench_host): bring an engine to steady decode, and time named engine methods in place.
+Knows the engine's scheduler queues; times whatever methods it is handed."""
 
 from __future__ import annotations
 

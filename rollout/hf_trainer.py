@@ -1,6 +1,10 @@
-"""The trainer half of the disaggregated launcher: an HF model and one real optimizer step
-on the rollouts' NLL. A toy objective (SFT on its own samples), but a real step, so the
-weights change and the weight sync has something to carry."""
+"""A transformers model as the trainer, for the disaggregated launcher and the weight-sync
+benchmarks: load it (a checkpoint, or random weights for a config-only dir), take one real
+optimizer step on rollouts' NLL (a toy objective, SFT on its own samples, but a real step,
+so the weights change and the weight sync has something to carry), and decode greedily with
+transformers itself, the reference the engine must match. Knows transformers and
+RolloutOutput; nothing of process groups.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +23,22 @@ def load_trainer_model(model_dir: str, load_format: str, dtype: torch.dtype, dev
 
     if load_format != "dummy":
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    from scripts.bench_weightsync import trainer_weights
+    return random_trainer_model(model_dir, str(device), dtype, seed).eval()
 
-    return trainer_weights(model_dir, str(device), dtype, seed).eval()
+
+def random_trainer_model(model_dir: str, device: str, dtype: torch.dtype, seed: int) -> nn.Module:
+    """The HF class of a config-only dir, with random weights made on `device` from `seed`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    # from_config under a device context may leave memory uninitialized (NaN that the
+    # engine rightly refuses): fill it like a real checkpoint
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    return model
 
 
 def rollout_batch(rollouts: Sequence[RolloutOutput], device: torch.device) -> dict[str, torch.Tensor]:
