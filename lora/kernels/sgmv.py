@@ -1,11 +1,23 @@
 """Triton SGMV kernels: segmented LoRA shrink (x @ A^T) and expand (out += h @ B^T).
 
 A batch's tokens come in G contiguous segments, each with one adapter slot (-1: the base
-model, no LoRA). Both kernels tile (N-block, M-block within the segment, segment) with the
-N axis fastest, so programs sharing an input tile run together and read it from L2 after
-the first; programs past their segment's end, of a base segment, or (shrink) past the
-slot's rank return at once. The grid depends only on host ints (shapes, ``max_seg_len``),
-never on device values, so one call is one launch and is CUDA-graph capturable.
+model, no LoRA). Both kernels tile (N-block, M-block of a segment) with the N axis fastest,
+so programs sharing an input tile run together and read it from L2 after the first.
+Programs of a base segment, or (shrink) past the slot's rank, return at once.
+
+M-blocks are numbered compactly rather than as a (segment, M-block) rectangle: segment g's
+blocks are tiles ``g + seg_start_g // BLOCK_M + m`` for ``m < cdiv(seg_len_g, BLOCK_M)``.
+These ids increase with g, never collide (a segment's last block ends before the next
+segment's first id) and stay below ``G + cdiv(T, BLOCK_M)``, a bound known on the host. A
+rectangle sized by the longest segment would launch G * cdiv(max_seg_len, BLOCK_M) blocks:
+in a mixed step of 256 decode tokens and a 4096-token prefill chunk that is ~16k blocks
+where ~320 have work, each idle one still a block launch times every N-block. Each program
+finds its segment by counting the first ids <= its tile over seg_indptr (one vector load
+of G ints for G <= 256, cached). Rows are never skipped, whatever ``max_seg_len`` says: it
+only picks BLOCK_M.
+
+The grid depends only on host ints (shapes, ``max_seg_len``), never on device values, so
+one call is one launch and is CUDA-graph capturable.
 
 This module knows nothing about models or slots' contents; ``lora.ops`` checks arguments,
 holds the torch reference and dispatches here. The launchers assume checked arguments.
@@ -22,8 +34,10 @@ from lora.kernels import MAX_SLICES
 
 __all__ = ["sgmv_expand", "sgmv_shrink"]
 
-# Grid axes 1 and 2 are limited to 2^16 - 1 programs by CUDA.
+# CUDA limits grid axes 1 and 2 to 2^16 - 1 programs (M-tiles are axis 1).
 _MAX_GRID_YZ = 65535
+# Segments scanned per vector load when a program looks up its tile's segment.
+_BLOCK_G = 256
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -43,21 +57,31 @@ def _block_m(max_seg_len: int) -> int:
 
 
 @triton.jit
-def _segment(seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr, g, pid_m, BLOCK_M: tl.constexpr):
-    """(first row of segment g, its length, slot, rank) and whether M-block pid_m has no work:
-    a base segment (slot -1), a block past the segment's end, or an empty slot (rank 0)."""
-    slot = tl.load(seg_slots_ptr + g)
+def _tile(seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr, num_segments, tile,
+          BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """(first row, rows left in the segment from there, slot, rank) of compact tile id
+    ``tile`` (see the module docstring), and whether it is idle: an id between two
+    segments' blocks, a base segment (slot -1) or an empty slot (rank 0)."""
+    # The segment is the last one whose first id is <= tile; first ids rise with g.
+    count = tl.zeros((), dtype=tl.int32)
+    for g0 in range(0, num_segments, BLOCK_G):
+        gs = g0 + tl.arange(0, BLOCK_G)
+        in_range = gs < num_segments
+        first = gs + tl.load(seg_indptr_ptr + gs, mask=in_range, other=0) // BLOCK_M
+        count += tl.sum((in_range & (first <= tile)).to(tl.int32), axis=0)
+    g = tl.maximum(count - 1, 0)  # count 0: a tile before the first segment's rows
     seg_start = tl.load(seg_indptr_ptr + g)
     seg_len = tl.load(seg_indptr_ptr + g + 1) - seg_start
+    m = tile - (g + seg_start // BLOCK_M)  # M-block within the segment
+    slot = tl.load(seg_slots_ptr + g)
     rank = tl.load(slot_ranks_ptr + slot, mask=slot >= 0, other=0)
-    idle = (slot < 0) | (pid_m * BLOCK_M >= seg_len) | (rank <= 0)
-    return seg_start, seg_len, slot, rank, idle
+    idle = (count == 0) | (m * BLOCK_M >= seg_len) | (slot < 0) | (rank <= 0)
+    return seg_start + m * BLOCK_M, seg_len - m * BLOCK_M, slot, rank, idle
 
 
-@triton.jit
-def _mma_nt(a, b, acc, PRECISION: tl.constexpr):
-    """acc [M, N] fp32 += a [M, K] @ b [N, K]^T (both operands K-contiguous in memory)."""
-    return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+def _num_tiles(num_tokens: int, num_segments: int, block_m: int) -> int:
+    """Upper bound on the compact tile ids (see the module docstring)."""
+    return num_segments + triton.cdiv(num_tokens, block_m)
 
 
 # ---------------------------------------------------------------------------------- shrink
@@ -66,28 +90,26 @@ def _mma_nt(a, b, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _shrink_kernel(
     x_ptr, w_ptr, h_ptr, seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr,
-    K, stride_xt, stride_ws, stride_wn, stride_ht,
+    num_segments, K, stride_xt, stride_ws, stride_wn, stride_ht,
     MAX_RANK: tl.constexpr, N_BLOCKS_PER_SLICE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # grid: (num_slices * N_BLOCKS_PER_SLICE, M-blocks of the longest segment, G)
+    # grid: (num_slices * N_BLOCKS_PER_SLICE, compact M-tiles)
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    g = tl.program_id(2)
-    seg_start, seg_len, slot, rank, idle = _segment(seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr, g, pid_m,
-                                                      BLOCK_M)
+    row0, rows_left, slot, rank, idle = _tile(seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr, num_segments,
+                                              tl.program_id(1), BLOCK_M, BLOCK_G)
     slice_id = pid_n // N_BLOCKS_PER_SLICE
     rank_start = (pid_n % N_BLOCKS_PER_SLICE) * BLOCK_N
     if idle | (rank_start >= rank):  # h stays unwritten there: expand never reads it
         return
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] within the segment
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M] from the tile's first row
     ranks = rank_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] rank index within the slice
     ks = tl.arange(0, BLOCK_K)
-    row_mask = rows < seg_len
+    row_mask = rows < rows_left
     rank_mask = ranks < rank
-    token = (seg_start + rows).to(tl.int64)  # int64: T * K can pass 2^31 in long prefills
+    token = (row0 + rows).to(tl.int64)  # int64: T * K can pass 2^31 in long prefills
     w_rows = slice_id * MAX_RANK + ranks  # [BLOCK_N] rows of the slot's stacked A
     x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + slot.to(tl.int64) * stride_ws + w_rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -101,7 +123,7 @@ def _shrink_kernel(
             k_mask = (k0 + ks) < K
             x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=rank_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _mma_nt(x, w, acc, PRECISION)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)  # w is K-contiguous: [N, K]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -116,7 +138,7 @@ def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, seg_indptr: torch.Tensor
     num_tokens, hidden = x.shape
     h = torch.empty((num_tokens, num_slices * max_rank), dtype=x.dtype, device=x.device)
     num_segments = seg_slots.shape[0]
-    if num_tokens == 0 or num_segments == 0 or max_seg_len == 0 or hidden == 0:
+    if num_tokens == 0 or num_segments == 0 or hidden == 0:
         return h
     block_m = _block_m(max_seg_len)
     # Decode: the narrowest N-block, so a rank-64 adapter still spreads over 4 programs per
@@ -128,13 +150,13 @@ def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, seg_indptr: torch.Tensor
         block_k //= 2
     block_k = min(block_k, max(triton.next_power_of_2(hidden), 16))
     n_blocks = triton.cdiv(max_rank, block_n)
-    grid = (num_slices * n_blocks, triton.cdiv(max_seg_len, block_m), num_segments)
+    grid = (num_slices * n_blocks, _num_tiles(num_tokens, num_segments, block_m))
     _check_grid(grid)
     _shrink_kernel[grid](
         x, weights, h, seg_indptr, seg_slots, slot_ranks,
-        hidden, x.stride(0), weights.stride(0), weights.stride(1), h.stride(0),
+        num_segments, hidden, x.stride(0), weights.stride(0), weights.stride(1), h.stride(0),
         MAX_RANK=max_rank, N_BLOCKS_PER_SLICE=n_blocks,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_BLOCK_G,
         EVEN_K=hidden % block_k == 0, PRECISION=_dot_precision(x.dtype),
         num_warps=4, num_stages=3,
     )
@@ -147,20 +169,17 @@ def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, seg_indptr: torch.Tensor
 @triton.jit
 def _expand_kernel(
     h_ptr, w_ptr, out_ptr, seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr,
-    n_out, off1, off2, off3, blk1, blk2, blk3,
+    num_segments, n_out, off1, off2, off3, blk1, blk2, blk3,
     stride_ht, stride_ws, stride_wn, stride_ot,
     MAX_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # grid: (N-blocks of all slices, M-blocks of the longest segment, G). Each slice's
-    # columns [off_j, off_j+1) start on a fresh N-block (blk_j), so a block never straddles
-    # two slices and reads one slice's h columns. Unused slices have off = n_out and a
-    # blk past the grid.
+    # grid: (N-blocks of all slices, compact M-tiles). Slice j's columns [off_j, off_j+1)
+    # start on a fresh N-block (blk_j), so a block never straddles two slices and reads one
+    # slice's h columns. Unused slices have off = n_out and a blk past the grid.
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    g = tl.program_id(2)
-    seg_start, seg_len, slot, rank, idle = _segment(seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr, g, pid_m,
-                                                      BLOCK_M)
+    row0, rows_left, slot, rank, idle = _tile(seg_indptr_ptr, seg_slots_ptr, slot_ranks_ptr, num_segments,
+                                              tl.program_id(1), BLOCK_M, BLOCK_G)
     if idle:  # base segments' rows of out are not even read
         return
     slice_id = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
@@ -168,12 +187,12 @@ def _expand_kernel(
     n_start = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, off1, tl.where(slice_id == 2, off2, off3)))
     n_end = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, tl.where(slice_id == 2, off3, n_out)))
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] within the segment
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M] from the tile's first row
     cols = n_start + (pid_n - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of out
     ks = tl.arange(0, BLOCK_K)
-    row_mask = rows < seg_len
+    row_mask = rows < rows_left
     col_mask = cols < n_end
-    token = (seg_start + rows).to(tl.int64)
+    token = (row0 + rows).to(tl.int64)
     h_ptrs = h_ptr + token[:, None] * stride_ht + (slice_id * MAX_RANK + ks)[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + slot.to(tl.int64) * stride_ws + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
 
@@ -183,7 +202,7 @@ def _expand_kernel(
         k_mask = (k0 + ks) < rank
         a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _mma_nt(a, b, acc, PRECISION)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)  # B is K-contiguous: [N, K]
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -199,7 +218,7 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_i
     """out += h @ B^T per segment, in place; see ``lora.ops.sgmv_expand``."""
     num_tokens, n_out = out.shape
     num_segments = seg_slots.shape[0]
-    if num_tokens == 0 or num_segments == 0 or max_seg_len == 0 or n_out == 0:
+    if num_tokens == 0 or num_segments == 0 or n_out == 0:
         return
     block_m = _block_m(max_seg_len)
     # Memory-bound on out's read-modify-write: tiles of ~16 elements a thread (~80
@@ -218,19 +237,19 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_i
     # Pad to MAX_SLICES: unused slices start at n_out, on a block the grid never reaches.
     offs = list(slice_offsets[1:-1]) + [n_out] * (MAX_SLICES - len(widths))
     blks = block_starts[1:-1] + [total_blocks] * (MAX_SLICES - len(widths))
-    grid = (total_blocks, triton.cdiv(max_seg_len, block_m), num_segments)
+    grid = (total_blocks, _num_tiles(num_tokens, num_segments, block_m))
     _check_grid(grid)
     _expand_kernel[grid](
         h, weights, out, seg_indptr, seg_slots, slot_ranks,
-        n_out, *offs, *blks,
+        num_segments, n_out, *offs, *blks,
         h.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        MAX_RANK=max_rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        MAX_RANK=max_rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_BLOCK_G,
         PRECISION=_dot_precision(h.dtype),
         num_warps=num_warps, num_stages=2,
     )
 
 
-def _check_grid(grid: tuple[int, int, int]) -> None:
-    if grid[1] > _MAX_GRID_YZ or grid[2] > _MAX_GRID_YZ:
-        raise ValueError(f"SGMV grid {grid} exceeds CUDA's {_MAX_GRID_YZ} on axis 1/2: too many segments "
-                         f"or max_seg_len too large; split the call")
+def _check_grid(grid: tuple[int, int]) -> None:
+    if grid[1] > _MAX_GRID_YZ:
+        raise ValueError(f"SGMV grid {grid} exceeds CUDA's {_MAX_GRID_YZ} M-tiles on axis 1: too many tokens "
+                         f"or segments for one call; split it")
