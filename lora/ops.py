@@ -23,15 +23,16 @@ zeros there. Both accumulate in fp32 and round each output element once.
 
 The kernel path is CUDA-graph capturable: argument checks are on shapes and dtypes only,
 the grid depends on host ints (``max_seg_len``, shapes), and nothing reads device values
-on the host. This module knows nothing about where adapters live or how segments are
+on the host; segment and slot tensors may change in place between replays. This module knows nothing about where adapters live or how segments are
 formed; the caller owns slots, ranks and ``max_seg_len`` (>= the longest segment: the
 kernels size their row blocks by it, so a loose bound costs speed, never rows; the
 references raise on a segment longer than it, so tests catch a wrong bound).
 
-Dispatch: Triton for CUDA tensors (when triton is installed), the torch reference otherwise. ``enabled`` (or the
-environment variable ROLLOUT_LORA_TRITON=1/0 read at import) forces one path: True sends
-CPU tensors through the kernels (tests; needs TRITON_INTERPRET=1 set before triton's
-first import), False keeps CUDA tensors on the reference.
+Dispatch: Triton for CUDA tensors (when triton is installed), the torch reference
+otherwise. ``enabled`` (or the environment variable ROLLOUT_LORA_TRITON=1/0, read at
+import) forces one path: True sends CPU tensors through the kernels (tests; needs
+TRITON_INTERPRET=1 set before triton's first import), False keeps CUDA tensors on the
+reference (which syncs: not for graph capture).
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ float16. The interpreter's tl.dot multiplies bf16 bit patterns as integers (nump
 bf16), so bf16 is checked on a GPU only, together with a realistic shape and CUDA-graph
 capture.
 
-What "unwritten" means is checked, not assumed: kernel outputs come from torch.empty,
-and expand's h is poisoned with NaN wherever shrink may leave it unwritten (rows of base
-segments, columns past a slot's rank), so reading any of it shows up in out.
+The kernels' contract on what they leave alone is checked, not assumed: shrink is
+compared only where it must write (its h comes from torch.empty), expand's h is poisoned
+with NaN wherever shrink may leave it unwritten (rows of base segments, columns past a
+slot's rank) so reading any of it shows up in out, and base rows of out are compared bit
+for bit, -0.0 included (a rewrite as out + 0.0 would turn it into +0.0).
 
 Tolerances: float32 1e-5 (fp32 accumulation in another order); float16/bfloat16 one or two
 units in the last place of the output (the same fp32 sum rounded once, whose last fp32
