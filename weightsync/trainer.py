@@ -21,9 +21,16 @@ Tied weights (e.g. `lm_head.weight` is `model.embed_tokens.weight`): with skip_t
 which is what `save_pretrained` writes and what an HF-format loader expects for a model
 with `tie_word_embeddings`. skip_tied=False yields it under every name.
 
-LoRA-only sync (send just the adapter, let the engine's multi-LoRA batching apply it) is
-the `adapter_only=True` path: it is reserved here and raises until the lora package
-(adapter validation, slots) exists, because the engine side must accept adapters first.
+LoRA-only sync (`adapter_only=True`): send just the active adapter of a PEFT LoRA model (a
+few MB), for the engine's multi-LoRA batching to apply (`engine.update_lora_adapter`). The
+stream is exactly `peft.get_peft_model_state_dict(model)`: names like
+`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (no adapter-name
+segment; wrapper prefixes looked through as above), in module order, lazily, detached,
+DTensor shards gathered one tensor at a time. Base weights never leave. Refused, since the
+engine serves plain LoRA A/B on linear layers only: a model without LoRA layers or with
+several active adapters (ValueError, at the call), LoRA variants (DoRA), embedding LoRA,
+modules_to_save / trainable tokens (NotImplementedError naming the layer, during the walk).
+Merged or disabled adapters are sent all the same: the adapter's tensors are what they are.
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ from weightsync.transports.base import SendStats, WeightSender
 
 # Modules that wrap exactly one child whose name must not appear in HF names.
 WRAPPER_CHILD_NAMES = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
+# What get_peft_model_state_dict puts before the HF model's own names (PeftModel.base_model.model).
+PEFT_PREFIX = "base_model.model."
+# A LoRA Linear's adapter weights, in its module order (lora_A, then lora_B).
+_LORA_LINEAR_WEIGHTS = ("lora_A", "lora_B")
 
 
 def iter_hf_weights(
@@ -52,17 +63,21 @@ def iter_hf_weights(
 
     `dtype` casts floating-point weights (e.g. fp32 master weights -> bf16 for the engine)
     one tensor at a time, before they are bucketed, so fewer bytes travel.
+
+    `adapter_only=True` yields only the active LoRA adapter of a PEFT model, under
+    `get_peft_model_state_dict` names (see the module docstring); `skip_tied` is moot there.
     """
     if adapter_only:
-        raise NotImplementedError("LoRA-only sync arrives with the lora package")
-    return _walk_without_grad(_Walk(skip_tied=skip_tied, dtype=dtype), model)
+        walk: _Walk | _AdapterWalk = _AdapterWalk(adapter=_adapter_to_send(model), dtype=dtype)
+        return _walk_without_grad(walk, model, PEFT_PREFIX)
+    return _walk_without_grad(_Walk(skip_tied=skip_tied, dtype=dtype), model, "")
 
 
 # As a decorator, no_grad wraps each resume of the generator; a `with` block inside it
 # would leave grad mode off in the consumer's code between items.
 @torch.no_grad()
-def _walk_without_grad(walk: _Walk, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from walk.module(model, "")
+def _walk_without_grad(walk: _Walk | _AdapterWalk, model: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from walk.module(model, prefix)
 
 
 def has_sharded_parameters(model: nn.Module) -> bool:
@@ -80,6 +95,9 @@ class WeightSyncSender:
     way, rank 0 still finishes the walk before raising, so the other ranks never hang in a
     gather; they return None either way, so tell them about failures through your own
     channel if they must know.
+
+    `adapter_only=True` pushes the PEFT model's active LoRA adapter alone (see
+    iter_hf_weights); the engine side must route it to `update_lora_adapter`.
     """
 
     def __init__(
@@ -94,14 +112,13 @@ class WeightSyncSender:
         self.rank = _default_rank() if rank is None else rank
         if self.rank == 0 and transport is None:
             raise ValueError("rank 0 sends the weights and needs a transport")
-        if adapter_only:
-            raise NotImplementedError("LoRA-only sync arrives with the lora package")
         self.transport = transport
         self.skip_tied = skip_tied
+        self.adapter_only = adapter_only
         self.dtype = dtype
 
     def push(self, model: nn.Module) -> SendStats | None:
-        weights = iter_hf_weights(model, skip_tied=self.skip_tied, dtype=self.dtype)
+        weights = iter_hf_weights(model, skip_tied=self.skip_tied, adapter_only=self.adapter_only, dtype=self.dtype)
         sharded = has_sharded_parameters(model)
         if self.rank != 0:
             if sharded:
@@ -182,6 +199,66 @@ class _Walk:
                 yield from self.module(child, f"{prefix}{name}.")
 
 
+@dataclass
+class _AdapterWalk:
+    """Yields one adapter's LoRA weights, as get_peft_model_state_dict names them."""
+
+    adapter: str
+    dtype: torch.dtype | None
+
+    def module(self, module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        module = _unwrap(module)
+        where = prefix[len(PEFT_PREFIX) :].rstrip(".") or "model"
+        if _is_lora_layer(module):
+            yield from self.lora_layer(module, prefix, where)
+            return
+        if _is_modules_to_save(module):
+            raise NotImplementedError(
+                f"{where}: modules_to_save cannot be synced adapter-only (the engine serves LoRA A/B only); "
+                "push the merged model instead (adapter_only=False)"
+            )
+        _reject_other_peft_layers(module, where + ".", "cannot be synced adapter-only; only LoRA layers are supported")
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from self.module(child, prefix if name in WRAPPER_CHILD_NAMES else f"{prefix}{name}.")
+
+    def lora_layer(self, layer: nn.Module, prefix: str, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.adapter in getattr(layer, "lora_variant", {}):
+            variant = type(layer.lora_variant[self.adapter]).__name__
+            raise NotImplementedError(f"{where}: LoRA variant {variant} (e.g. DoRA) cannot be synced adapter-only")
+        if self.adapter in layer.lora_embedding_A:
+            raise NotImplementedError(f"{where}: embedding/lm_head LoRA cannot be synced adapter-only")
+        for name in _LORA_LINEAR_WEIGHTS:
+            modules = getattr(layer, name)
+            if self.adapter not in modules:  # this layer holds other adapters only
+                continue
+            for pname, parameter in modules[self.adapter]._parameters.items():
+                if parameter is not None:
+                    tensor = _full(parameter)
+                    if self.dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(self.dtype)
+                    yield f"{prefix}{name}.{pname}", tensor
+
+
+def _adapter_to_send(model: nn.Module) -> str:
+    """The one active adapter of a PEFT LoRA model (checked before the walk starts)."""
+    lora_layers = [m for m in model.modules() if _is_lora_layer(m)]
+    if not lora_layers:
+        raise ValueError(
+            f"adapter_only=True needs a PEFT LoRA model (peft.get_peft_model); this {type(model).__name__} has no "
+            "LoRA layers"
+        )
+    peft = sys.modules.get("peft")
+    roots = [m for m in model.modules() if peft is not None and isinstance(m, peft.PeftModel)]
+    if roots:
+        active = list(roots[0].active_adapters)
+    else:  # adapters injected into a plain model (inject_adapter_in_model)
+        active = sorted({a for layer in lora_layers for a in layer.active_adapters})
+    if len(active) != 1:
+        raise ValueError(f"adapter_only=True sends one adapter, but {len(active)} are active: {active}")
+    return active[0]
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     """Look through wrappers that hold the real model as one attribute."""
     while True:
@@ -223,7 +300,10 @@ def _is_modules_to_save(module: nn.Module) -> bool:
     return other is not None and isinstance(module, other.ModulesToSaveWrapper)
 
 
-def _reject_other_peft_layers(module: nn.Module, prefix: str) -> None:
+_MERGE_SUPPORT = "cannot be merged on the fly; only LoRA layers and modules_to_save are supported"
+
+
+def _reject_other_peft_layers(module: nn.Module, prefix: str, supported: str = _MERGE_SUPPORT) -> None:
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     other = sys.modules.get("peft.utils.other")
     unsupported = (tuners is not None and isinstance(module, tuners.BaseTunerLayer)) or (
@@ -231,8 +311,7 @@ def _reject_other_peft_layers(module: nn.Module, prefix: str) -> None:
     )
     if unsupported:
         raise NotImplementedError(
-            f"{prefix.rstrip('.') or 'model'}: PEFT layer {type(module).__name__} cannot be merged on the fly; "
-            "only LoRA layers and modules_to_save are supported"
+            f"{prefix.rstrip('.') or 'model'}: PEFT layer {type(module).__name__} {supported}"
         )
 
 

@@ -1,4 +1,5 @@
-"""iter_hf_weights / WeightSyncSender on plain, wrapped (DDP, compile, checkpoint) and PEFT models."""
+"""iter_hf_weights / WeightSyncSender on plain, wrapped (DDP, compile, checkpoint) and PEFT models
+(merged; the adapter-only path is in test_trainer_lora.py)."""
 
 from __future__ import annotations
 
@@ -134,13 +135,6 @@ def test_peft_dora_is_refused_clearly():
     model = _peft_model(torch.float32, use_dora=True)
     with pytest.raises(NotImplementedError, match=r"model.layers.0.self_attn.q_proj: LoRA variant .*DoRA"):
         list(iter_hf_weights(model))
-
-
-def test_adapter_only_is_reserved():
-    with pytest.raises(NotImplementedError, match="LoRA-only sync arrives with the lora package"):
-        list(iter_hf_weights(tiny_llama(), adapter_only=True))
-    with pytest.raises(NotImplementedError, match="LoRA-only sync arrives with the lora package"):
-        WeightSyncSender(InProcessSender(FakeEngine()), adapter_only=True)
 
 
 def test_sender_roles_and_failures():
