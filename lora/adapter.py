@@ -124,7 +124,8 @@ def _parse_name(name: Any, model: ModelConfig) -> tuple[int, str, str]:
         raise ValueError(f"adapter tensor {name!r}: unknown target module {m['parent']}.{module}; the engine serves "
                          f"LoRA on {[f'{p}.{n}' for n, p in MODULE_PARENTS.items()]}")
     if layer >= model.num_layers:
-        raise ValueError(f"adapter tensor {name!r}: layer {layer} is out of range; the model has {model.num_layers} layers")
+        raise ValueError(f"adapter tensor {name!r}: layer {layer} is out of range; "
+                         f"the model has {model.num_layers} layers")
     return layer, module, which
 
 
@@ -273,7 +274,8 @@ def plan_adapter_update(weights: LoraWeights,
         target = pair[0] if which == "A" else pair[1]
         _check_tensor(name, tensor, tuple(target.shape), f"the loaded lora_{which}")
         if (layer, module, which) in seen:
-            raise ValueError(f"adapter tensor {name!r}: given twice in one update (also as {seen[layer, module, which]!r})")
+            raise ValueError(f"adapter tensor {name!r}: given twice in one update "
+                             f"(also as {seen[layer, module, which]!r})")
         seen[layer, module, which] = name
         writes.append(AdapterWrite(name, layer, module, which, tensor, target))
     _check_finite([(w.name, w.tensor) for w in writes])

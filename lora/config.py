@@ -91,7 +91,8 @@ class LoraAdapterConfig:
             raise ValueError(f"r={self.r!r}: must be an int >= 1")
         unknown = sorted(set(self.target_modules) - set(TARGET_MODULES))
         if unknown:
-            raise ValueError(f"target_modules {unknown} are not modules the engine serves LoRA on: {list(TARGET_MODULES)}")
+            raise ValueError(f"target_modules {unknown} are not modules the engine serves LoRA on: "
+                             f"{list(TARGET_MODULES)}")
         if not self.target_spec:  # built directly from module names: peft's list semantics
             object.__setattr__(self, "target_spec", tuple(sorted(self.target_modules)))
 
@@ -220,7 +221,8 @@ def _target_spec(targets: Any) -> str | tuple[str, ...]:
         except re.error as error:
             raise ValueError(f"adapter config: target_modules={targets!r} is not a valid regex: {error}") from None
         if any(pattern.fullmatch(key) for key in EMBEDDING_MODULES):
-            raise ValueError(f"adapter config: target_modules={targets!r} matches {EMBEDDING_MODULES}: {EMBEDDING_ERROR}")
+            raise ValueError(f"adapter config: target_modules={targets!r} matches {EMBEDDING_MODULES}: "
+                             f"{EMBEDDING_ERROR}")
         return targets
     if not isinstance(targets, (list, tuple, set, frozenset)) or not all(isinstance(t, str) for t in targets):
         raise ValueError(f"adapter config: target_modules={targets!r} must be a string (regex or 'all-linear') "
