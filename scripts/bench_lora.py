@@ -1,0 +1,218 @@
+"""Multi-LoRA benchmark (issue #10): the cost of adapters against the base model, in one run.
+
+GPU (default: Llama-3.1-8B shape, random bf16 weights and adapters, no download):
+  a  256 prompts x in 512 / out 256: the engine without LoRA; with LoRA on and base-only
+     requests; with 8 rank-16 adapters on all seven modules, requests spread uniformly
+     (goal: <= 15% slower than without LoRA)
+  b  batch 1, in 128 / out 256: without LoRA vs one adapter (goal: <= 10% slower)
+  s  LoRA-only sync: update_lora_adapter of 8 rank-16 adapters from device tensors,
+     synchronized, median of 5 (goal: <= 5 ms for all 8)
+CPU (--cpu): the real SmolLM2-135M with three adapters, the engine against peft's
+  unmerged generate in the same run (tokens compared, tok/s of each).
+
+    python -m scripts.bench_lora [--shape llama8b] [--workloads a b s]
+    python -m scripts.bench_lora --cpu [--prompts 8] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_adapter(cfg: dict, rank: int, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """PEFT state-dict names -> random lora_A / lora_B for every layer and all seven modules."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for m, (fan_in, fan_out) in shapes.items():
+            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            p = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            out[p + ".lora_A.weight"] = torch.randn(rank, fan_in, generator=g, device=device).to(dtype) * 0.01
+            out[p + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=g, device=device).to(dtype) * 0.01
+    return out
+
+
+def timed(engine, prompts: list[list[int]], params, lora_names) -> tuple[float, int]:
+    """(seconds, output tokens) to run the prompts to completion."""
+    _sync(engine.device)
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, lora_name=lora_names)
+    _sync(engine.device)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
+
+
+def gpu(args) -> None:
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.model.shapes import SHAPES, write_shape_dir
+
+    device = torch.device("cuda")
+    cfg = SHAPES[args.shape]
+    model_dir = write_shape_dir(args.shape, prefix=f"bench-lora-{args.shape}-")
+    vocab = cfg["vocab_size"]
+    rows: list[tuple[str, float, str]] = []
+
+    def make(lora: bool) -> Engine:
+        return Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy", page_size=16,
+                                   max_running_requests=512, max_prefill_tokens=8192, gpu_memory_fraction=args.mem_fraction,
+                                   enable_lora=lora, max_loras_per_batch=8, max_lora_rank=args.rank))
+
+    def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(100, vocab - 100, (count, length), generator=g).tolist()
+
+    greedy = lambda n: SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    names = [f"lora{i}" for i in range(8)]
+    results: dict[str, float] = {}
+    for lora in (False, True):
+        engine = make(lora)
+        if lora:
+            for k, name in enumerate(names):
+                engine.load_lora_adapter(name, tensors=random_adapter(cfg, args.rank, k, device, torch.bfloat16),
+                                         config=dict(r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES))
+        warm = prompts(8, 64, 1)
+        engine.generate(input_ids=warm, sampling_params=greedy(16), lora_name=(names[:8] if lora else None))
+        engine.generate(input_ids=warm[:1], sampling_params=greedy(16))
+        label = "LoRA on" if lora else "no LoRA"
+        if "a" in args.workloads:
+            work = prompts(256, 512, ord("a"))
+            variants = [("base requests", None)] + ([("8 adapters, uniform", [names[i % 8] for i in range(256)])] if lora else [])
+            for what, lora_names in variants:
+                engine.flush_cache()
+                secs, toks = timed(engine, work, greedy(256), lora_names)
+                key = f"a [{label}] {what}"
+                results[key] = toks / secs
+                print(f"{key}: {toks / secs:.0f} tok/s ({secs:.2f} s)", flush=True)
+        if "b" in args.workloads:
+            work = prompts(1, 128, ord("b"))
+            variants = [("base", None)] + ([("1 adapter", names[0])] if lora else [])
+            for what, lora_names in variants:
+                engine.flush_cache()
+                secs, toks = timed(engine, work, greedy(256), lora_names)
+                key = f"b [{label}] {what}"
+                results[key] = toks / secs
+                print(f"{key}: {toks / secs:.1f} tok/s ({1e3 * secs / toks:.2f} ms/token)", flush=True)
+        if lora and "s" in args.workloads:
+            updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, torch.bfloat16).items())
+                       for k, n in enumerate(names)}
+            mb = sum(t.numel() * t.element_size() for u in updates.values() for _, t in u) / 1e6
+            times = []
+            for _ in range(6):
+                _sync(device)
+                start = time.perf_counter()
+                for n in names:
+                    engine.update_lora_adapter(n, updates[n])
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            ms = 1e3 * statistics.median(times[1:])
+            results["s"] = ms
+            print(f"s: LoRA-only sync of 8 rank-{args.rank} adapters ({mb:.0f} MB): {ms:.2f} ms (median of 5)", flush=True)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    print(f"\n{args.shape}, bf16, {torch.cuda.get_device_name()}, adapters rank {args.rank} on all seven modules")
+    print(f"{'row':<42} | {'tok/s':>9} | {'vs no LoRA':>10} | goal")
+    for key, value in results.items():
+        if key == "s":
+            continue
+        base = results.get(f"{key[0]} [no LoRA] base" + (" requests" if key[0] == "a" else ""))
+        rel = f"{value / base - 1:+.1%}" if base else ""
+        goal = {"a": ">= -15%", "b": ">= -10%"}[key[0]] if "adapter" in key else ""
+        rows.append((key, value, rel))
+        print(f"{key:<42} | {value:>9.1f} | {rel:>10} | {goal}")
+    if "s" in results:
+        print(f"{'s: LoRA-only sync, 8 adapters':<42} | {results['s']:>7.2f} ms | {'':>10} | <= 5 ms")
+
+
+def cpu(args) -> None:
+    import copy
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.model.fetch import fetch_default_model
+
+    model_dir = str(fetch_default_model())
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    specs = {"a": dict(r=16, lora_alpha=32, target_modules=MODULES),
+             "b": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+             "c": dict(r=4, lora_alpha=16, target_modules=["o_proj", "down_proj"], use_rslora=True)}
+    model = None
+    for k, (name, spec) in enumerate(specs.items()):
+        config = peft.LoraConfig(**spec)
+        model = peft.get_peft_model(copy.deepcopy(hf), config, adapter_name=name) if model is None else model
+        if name != "a":
+            model.add_adapter(name, config)
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if f".{name}." in pname and "lora_" in pname:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    model.eval()
+    engine = Engine(EngineConfig(model=model_dir, enable_lora=True, max_lora_rank=16, max_loras_per_batch=3))
+    for name, spec in specs.items():
+        model.set_adapter(name)
+        state = peft.get_peft_model_state_dict(model, adapter_name=name)
+        engine.load_lora_adapter(name, tensors=state, config=spec)
+    tok = engine.tokenizer
+    texts = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(args.prompts)]
+    prompts = [tok.encode(t) for t in texts]
+    names = [list(specs)[i % 3] for i in range(args.prompts)]
+    params = SamplingParams(temperature=0, max_new_tokens=args.new, ignore_eos=True)
+    engine.generate(input_ids=prompts[:2], sampling_params=SamplingParams(temperature=0, max_new_tokens=4), lora_name=names[:2])
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, lora_name=names)
+    engine_s = time.perf_counter() - start
+    start = time.perf_counter()
+    same = 0
+    with torch.no_grad():
+        for prompt, name, out in zip(prompts, names, outs):  # peft batches one adapter at a time: one call each
+            model.set_adapter(name)
+            ids = torch.tensor([prompt])
+            ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            same += ref == out.token_ids
+    peft_s = time.perf_counter() - start
+    n = args.prompts * args.new
+    print(f"\nSmolLM2-135M, fp32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.new} tokens, "
+          f"adapters a (r16, all), b (r8, q/v), c (r4 rslora, o/down) mixed")
+    print(f"{'':<28} | {'seconds':>8} | {'tok/s':>7}")
+    print(f"{'engine (one mixed batch)':<28} | {engine_s:>8.2f} | {n / engine_s:>7.1f}")
+    print(f"{'peft generate (per prompt)':<28} | {peft_s:>8.2f} | {n / peft_s:>7.1f}")
+    print(f"greedy tokens equal to peft: {same}/{args.prompts}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama8b")
+    parser.add_argument("--workloads", nargs="+", default=["a", "b", "s"])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--mem-fraction", type=float, default=0.6)
+    parser.add_argument("--cpu", action="store_true", help="SmolLM2 against peft on the CPU")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--new", type=int, default=24)
+    args = parser.parse_args()
+    cpu(args) if args.cpu else gpu(args)
+
+
+if __name__ == "__main__":
+    main()
