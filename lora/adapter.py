@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from lora.config import EMBEDDING_ERROR, MODULE_PARENTS, LoraAdapterConfig, module_key
 from rollout.model.config import ModelConfig
+from rollout.validate import first_non_finite
 
 __all__ = [
     "AdapterWrite", "LoraAdapterConfig", "LoraWeights", "adapter_tensor_name", "apply_adapter_update",
@@ -139,15 +140,9 @@ def _check_tensor(name: str, tensor: Any, want: tuple[int, ...], what: str) -> N
 
 
 def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
-    """One host sync per device for the whole adapter, as loader._check_finite."""
-    by_device: dict[torch.device, list[int]] = {}
-    for index, (_, tensor) in enumerate(named):
-        by_device.setdefault(tensor.device, []).append(index)
-    for indices in by_device.values():
-        flags = torch.stack([named[i][1].isfinite().all() for i in indices]).cpu()
-        if not bool(flags.all()):
-            bad = named[indices[int((~flags).nonzero()[0])]][0]
-            raise ValueError(f"adapter tensor {bad!r} has non-finite values (NaN or Inf)")
+    bad = first_non_finite([tensor for _, tensor in named])
+    if bad is not None:
+        raise ValueError(f"adapter tensor {named[bad][0]!r} has non-finite values (NaN or Inf)")
 
 
 def _items(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
@@ -166,6 +161,9 @@ class LoraWeights:
 
     config: LoraAdapterConfig
     modules: dict[Key, tuple[torch.Tensor, torch.Tensor]]
+    # tensor name -> (layer, module, "A"|"B") for names seen in earlier updates: a trainer
+    # pushes the same few hundred names every step, and parsing them costs more than copying
+    name_index: dict[str, tuple[int, str, str]] = field(default_factory=dict, repr=False)
 
     @property
     def rank(self) -> int:
@@ -265,8 +263,12 @@ def plan_adapter_update(weights: LoraWeights,
     alpha and target modules cannot change: load the adapter anew for that."""
     writes: list[AdapterWrite] = []
     seen: dict[tuple[int, str, str], str] = {}
+    index = weights.name_index
     for name, tensor in _items(named_tensors):
-        layer, module, which = _parse_name(name, model)
+        parsed = index.get(name) if isinstance(name, str) else None
+        if parsed is None:
+            parsed = _parse_name(name, model)
+        layer, module, which = parsed
         pair = weights.modules.get((layer, module))
         if pair is None:
             raise ValueError(f"adapter tensor {name!r}: the loaded adapter has no {module} in layer {layer} "
@@ -277,6 +279,7 @@ def plan_adapter_update(weights: LoraWeights,
             raise ValueError(f"adapter tensor {name!r}: given twice in one update "
                              f"(also as {seen[layer, module, which]!r})")
         seen[layer, module, which] = name
+        index[name] = parsed
         writes.append(AdapterWrite(name, layer, module, which, tensor, target))
     _check_finite([(w.name, w.tensor) for w in writes])
     return writes

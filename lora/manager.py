@@ -101,10 +101,9 @@ class LoraManager:
         until the slot is given away), else into the host copy. Returns the new version."""
         entry = self.adapters[name]
         slot = self.slot_of(name)
-        scaled = [(layer, module, which, t if which == "A" else t * entry.config.scaling)
-                  for layer, module, which, t in _write_parts(writes)]
+        scaled = _scaled_parts(writes, entry.config.scaling)
         if slot is not None:
-            self.pool.write_modules(slot, iter(scaled), entry.config.r)
+            self.pool.write_modules(slot, scaled, entry.config.r)
             entry.host_stale = True
         else:
             for layer, module, which, value in scaled:
@@ -168,6 +167,9 @@ class LoraManager:
         return slot
 
 
-def _write_parts(writes) -> list[tuple[int, str, str, torch.Tensor]]:
-    """(layer, HF module, "A"|"B", value) for each planned write."""
-    return [(w.layer, w.module, w.which, w.tensor) for w in writes]
+def _scaled_parts(writes, scaling: float) -> list[tuple[int, str, str, torch.Tensor]]:
+    """(layer, HF module, "A"|"B", value) for each planned write, lora_B times the scaling
+    (one multi-tensor multiply for all of them)."""
+    bs = [w.tensor for w in writes if w.which == "B"]
+    scaled = iter(torch._foreach_mul(bs, scaling)) if bs else iter(())
+    return [(w.layer, w.module, w.which, w.tensor if w.which == "A" else next(scaled)) for w in writes]

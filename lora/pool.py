@@ -12,7 +12,6 @@ may be replaced, is LoraManager's business (manager.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +50,9 @@ class LoraPool:
                 self.b[layer, name] = torch.zeros(num_slots, s.out_features, max_rank, dtype=dtype, device=device)
         self.slot_ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.batch: LoraBatch | None = None
+        # (slot, layer, module, rank) -> views: an update writes hundreds of tensors, and
+        # slicing them anew each time costs more host time than the copies themselves
+        self._view_cache: dict[tuple[int, int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
@@ -58,6 +60,13 @@ class LoraPool:
     # ---- slot contents ----------------------------------------------------------------
     def _views(self, slot: int, layer: int, hf_module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The parts of `slot`'s buffers that hold one module's A [rank, in] and B [out, rank]."""
+        key = (slot, layer, hf_module, rank)
+        views = self._view_cache.get(key)
+        if views is None:
+            views = self._view_cache[key] = self._slice(slot, layer, hf_module, rank)
+        return views
+
+    def _slice(self, slot: int, layer: int, hf_module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         name, j = HF_TO_ENGINE[hf_module]
         shape, r = self.shapes[name], self.max_rank
         off = shape.slice_offsets
@@ -78,11 +87,16 @@ class LoraPool:
         self.slot_ranks[slot] = rank
 
     @torch.no_grad()
-    def write_modules(self, slot: int, parts: Iterator[tuple[int, str, str, torch.Tensor]], rank: int) -> None:
-        """In-place update of some of a resident adapter's tensors: (layer, module, "A"|"B", value)."""
+    def write_modules(self, slot: int, parts: list[tuple[int, str, str, torch.Tensor]], rank: int) -> None:
+        """In-place update of some of a resident adapter's tensors: (layer, module, "A"|"B",
+        value), as multi-tensor copies (a few launches for hundreds of tensors)."""
+        dst, src = [], []
         for layer, hf_module, which, value in parts:
             a_dst, b_dst = self._views(slot, layer, hf_module, rank)
-            (a_dst if which == "A" else b_dst).copy_(value, non_blocking=True)
+            dst.append(a_dst if which == "A" else b_dst)
+            src.append(value.to(self.device, non_blocking=True) if value.device != self.device else value)
+        if dst:
+            torch._foreach_copy_(dst, src, non_blocking=True)
 
     @torch.no_grad()
     def read(self, slot: int, adapter: EngineAdapter, rank: int) -> None:

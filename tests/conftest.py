@@ -15,6 +15,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Without CUDA, Triton kernels run under the interpreter; it must be on before triton's first
+# import, which any test module (or peft / transformers) may trigger during collection.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _COMMON = dict(
     vocab_size=160,

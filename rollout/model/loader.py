@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rollout.model.config import ModelConfig
+from rollout.validate import first_non_finite
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _QKV = re.compile(r"^self_attn\.([qkv])_proj\.(weight|bias)$")
@@ -109,18 +110,9 @@ def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tenso
 
 
 def _check_finite(writes: list[WeightWrite]) -> None:
-    if not writes:
-        return
-    # One host sync per device for the whole update, not one per tensor. (A non_blocking
-    # copy to pageable host memory may be read before it lands: reduce on the device.)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, w in enumerate(writes):
-        by_device.setdefault(w.tensor.device, []).append(i)
-    for indices in by_device.values():
-        flags = torch.stack([writes[i].tensor.isfinite().all() for i in indices]).cpu()
-        if not bool(flags.all()):
-            bad = writes[indices[int((~flags).nonzero()[0])]]
-            raise ValueError(f"parameter {bad.hf_name!r} has non-finite values (NaN or Inf)")
+    bad = first_non_finite([w.tensor for w in writes])
+    if bad is not None:
+        raise ValueError(f"parameter {writes[bad].hf_name!r} has non-finite values (NaN or Inf)")
 
 
 @torch.no_grad()
