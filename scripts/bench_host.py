@@ -47,7 +47,7 @@ def main() -> None:
 
     engine.runner.forward = cached_forward
     timer = PhaseTimer()
-    for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "prepare"), (engine, "_read_back")):
+    for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "prepare"), (engine.loop, "read_back")):
         timer.add(obj, name)
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -55,7 +55,7 @@ def main() -> None:
     total = time.perf_counter() - start
     print(f"host per decode step, batch {args.batch}, context ~{args.input_len}, page {args.page_size}, "
           f"torch threads {torch.get_num_threads()}")
-    for name in ("schedule", "prepare", "_read_back"):
+    for name in ("schedule", "prepare", "read_back"):
         print(f"  {name:<22} {1e3 * timer.seconds[name] / args.steps:6.2f} ms")
     print(f"  {'rest (sample, pack)':<22} {1e3 * (total - sum(timer.seconds.values())) / args.steps:6.2f} ms")
     print(f"  {'total':<22} {1e3 * total / args.steps:6.2f} ms")

@@ -66,7 +66,7 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     timer.add(engine.scheduler, "schedule")
     timer.add(engine.runner, "prepare")
     timer.add(engine.runner, "forward", "forward (launch)")
-    timer.add(engine, "_read_back", "read back (wait + work)")
+    timer.add(engine.loop, "read_back", "read back (wait + work)")
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start_ev.record()

@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: GPU tests, a decode-step profile, then the rollout and
 # weight-sync benchmarks. Logs land in $OUT (the device tool brings them back). Each stage
 # has its own time limit so a hang in one still returns the others' figures.
-#   STAGES="tests profile rollout weightsync"   (default: all four)
+#   STAGES="tests profile rollout weightsync lora"   (default: the first four)
 #   PROFILE="256:flashinfer:off 1:flashinfer:on"   (batch:attention:overlap per profile run)
 #   ATTENTION="flashinfer triton"  OVERLAP="on off"  WORKLOADS="b a"  for the rollout bench
 set -u
@@ -31,4 +31,9 @@ if [[ " $STAGES " == *" rollout "* ]]; then
 fi
 if [[ " $STAGES " == *" weightsync "* ]]; then
   timeout "${WS_S:-120}" python3 -m scripts.bench_weightsync --repeats 3 2>&1 | grep -v Loading | tee "$OUT/weightsync.log" | tail -8
+fi
+if [[ " $STAGES " == *" lora "* ]]; then
+  timeout "${LORA_S:-200}" python3 -m lora.kernels.bench 2>&1 | tee "$OUT/sgmv.log" | tail -30
+  timeout "${LORA_BENCH_S:-400}" python3 -m scripts.bench_lora --workloads ${LORA_WORKLOADS:-a b s} 2>&1 | grep -v Loading \
+    | tee "$OUT/lora.log" | tail -16
 fi
