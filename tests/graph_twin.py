@@ -25,11 +25,13 @@ class EagerDecodeGraphs(DecodeGraphs):
     @torch.inference_mode()
     def capture(self) -> None:
         for bs in reversed(self.sizes):
-            fb = self._static_batch(bs)
+            for with_lora in self.variants():
+                fb = self._static_batch(bs)
 
-            def fn(fb=fb, bs=bs):
-                self.plan_capture(fb)  # a real graph keeps this plan baked in
-                return self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
+                def fn(fb=fb, with_lora=with_lora):
+                    self.plan_capture(fb, with_lora)  # a real graph keeps this plan baked in
+                    return self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
 
-            self.logits[bs] = fn().clone()
-            self.graphs[bs] = _EagerGraph(fn, self.logits[bs])
+                logits = fn().clone()
+                (self.lora_logits if with_lora else self.logits)[bs] = logits
+                (self.lora_graphs if with_lora else self.graphs)[bs] = _EagerGraph(fn, logits)

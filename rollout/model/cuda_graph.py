@@ -53,7 +53,12 @@ class DecodeGraphs:
         self._qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)  # one token per row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # With LoRA: a second graph per size with the adapter ops captured, replayed only for
+        # batches that use an adapter; base-only batches replay the plain graph and pay nothing.
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.num_lora_replays = 0  # of those, replays of a graph with the LoRA ops
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -64,28 +69,34 @@ class DecodeGraphs:
             extend_lens=[1] * bs, seq_lens=[self.max_context] * bs, num_decode=bs,
         )
 
-    def plan_capture(self, fb: ForwardBatch) -> None:
+    def variants(self) -> tuple[bool, ...]:
+        """Which graphs each size gets: without LoRA ops, and with them when LoRA is on."""
+        return (False, True) if self.lora is not None else (False,)
+
+    def plan_capture(self, fb: ForwardBatch, with_lora: bool) -> None:
         """Fix what the captured kernels read: the backend's metadata and the LoRA inputs."""
         self.backend.plan_capture(fb, self.max_context)
         if self.lora is not None:
-            self.lora.plan(fb.qo_indptr, self.lora_slots[: fb.batch_size], 1, True)
+            self.lora.plan(fb.qo_indptr, self.lora_slots[: fb.batch_size], 1, with_lora)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            fb = self._static_batch(bs)
-            self.plan_capture(fb)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
-                    self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[bs] = self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
-            self.graphs[bs] = graph
+            for with_lora in self.variants():
+                fb = self._static_batch(bs)
+                self.plan_capture(fb, with_lora)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
+                        self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
+                (self.lora_graphs if with_lora else self.graphs)[bs] = graph
+                (self.lora_logits if with_lora else self.logits)[bs] = logits
         torch.cuda.synchronize(self.device)
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -116,6 +127,8 @@ class DecodeGraphs:
             self.kv_indices[nnz : nnz + pad].zero_()
             self.lora_slots[b:bs].fill_(-1)
         self.backend.plan_replay(fb, bs)
-        self.graphs[bs].replay()
+        graphs, logits = (self.lora_graphs, self.lora_logits) if fb.lora_active else (self.graphs, self.logits)
+        graphs[bs].replay()
         self.num_replays += 1
-        return self.logits[bs][:b]
+        self.num_lora_replays += fb.lora_active
+        return logits[bs][:b]

@@ -325,3 +325,27 @@ def test_gpu_graphs_replay_any_adapter_mix(llama: TinyModel, ref: PeftRef, overl
         assert out.token_ids == ref.greedy(adapter, prompt), f"adapter {adapter}"
         want = ref.logprobs(adapter, prompt, out.token_ids)
         assert torch.allclose(torch.tensor(out.logprobs), want, atol=2e-3), adapter
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU twin; on CUDA test_gpu_graphs_replay_any_adapter_mix covers it")
+def test_graph_twin_replays_the_lora_graph_only_for_adapter_batches(llama: TinyModel, ref: PeftRef) -> None:
+    """The decode-graph replay logic with LoRA on CPU (graph_twin): a base-only batch replays
+    the plain graph, a batch with adapters the one with the LoRA ops; tokens equal peft's."""
+    pytest.importorskip("triton")
+    from graph_twin import EagerDecodeGraphs
+
+    engine = _engine(llama, ref, attention="triton")
+    engine.runner.graphs = EagerDecodeGraphs(engine.model, engine.runner.backend, max_bs=4, max_context=64,
+                                             device=engine.device, lora=engine.lora.pool)
+    engine.runner.graphs.capture()
+    graphs = engine.runner.graphs
+    prompts = make_prompts(llama.vocab_size, [5, 9, 3, 7], seed=49)
+    base = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert graphs.num_replays > 0 and graphs.num_lora_replays == 0
+    names = ["a", None, "c", "b"]
+    mixed = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_name=names)
+    assert graphs.num_lora_replays > 0
+    for out, prompt in zip(base, prompts):
+        assert out.token_ids == ref.greedy(None, prompt)
+    for out, prompt, adapter in zip(mixed, prompts, names):
+        assert out.token_ids == ref.greedy(adapter, prompt), adapter
