@@ -40,7 +40,8 @@ from rollout.bench.broadcast import run_bench
 from rollout.distributed.collectives import broadcast_bytes, broadcast_int, gather_bytes
 from rollout.distributed.dp_rollout import run_dp_rollout
 from rollout.distributed.group import DistContext, init_distributed, shutdown
-from rollout.distributed.launch_args import DTYPES, add_common_args, build_engine, maybe_die, resolve_backend, resolve_model
+from rollout.distributed.launch_args import (DTYPES, add_common_args, build_engine, finite_float, int_at_least, maybe_die,
+                                             resolve_backend, resolve_model)
 from rollout.distributed.phases import phase
 from rollout.distributed.ports import free_port
 from rollout.distributed.prompts import load_prompts
@@ -236,30 +237,30 @@ def _print_step(rec: StepRecord, args: argparse.Namespace) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--trainer-ranks", type=int, default=1, help="ranks 0..T-1 train; the rest run engines")
+    parser.add_argument("--trainer-ranks", type=int_at_least(1), default=1, help="ranks 0..T-1 train; the rest run engines")
     parser.add_argument("--trainer-dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--steps", type=int_at_least(1), default=2)
+    parser.add_argument("--lr", type=finite_float(0.0), default=1e-2)
     parser.add_argument("--prompts", default=None, help="JSON list (or JSONL) of token-id lists (default: random)")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--samples", type=int, default=2, help="samples per prompt (n)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int_at_least(1), default=8)
+    parser.add_argument("--prompt-len", type=int_at_least(1), default=32)
+    parser.add_argument("--samples", type=int_at_least(1), default=2, help="samples per prompt (n)")
+    parser.add_argument("--temperature", type=finite_float(0.0), default=1.0)
+    parser.add_argument("--top-p", type=finite_float(0.0, 1.0, above=True), default=1.0)
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--seed", type=int, default=0, help="prompts, trainer init; step k samples with seed + k")
     parser.add_argument("--probe", action="store_true", help="greedy rollouts after every sync, recorded on rank 0")
     parser.add_argument("--verify", action="store_true", help="--probe, and check it equals transformers (float32)")
-    parser.add_argument("--probe-tokens", type=int, default=8)
+    parser.add_argument("--probe-tokens", type=int_at_least(1), default=8)
     parser.add_argument("--save-dir", default=None, help="rank 0 saves the trainer's weights after step k to step_k/")
     parser.add_argument("--output", default=None, help="rank 0 writes the step records here (JSON)")
     parser.add_argument("--sync-addr", default="127.0.0.1", help="the weight-sync store's host (trainer rank 0's)")
-    parser.add_argument("--sync-port", type=int, default=0, help="0: rank 0 picks a free port")
-    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--sync-port", type=int_at_least(0), default=0, help="0: rank 0 picks a free port")
+    parser.add_argument("--bucket-mb", type=int_at_least(1), default=512)
     parser.add_argument("--bench-broadcast", action="store_true",
                         help="instead of the loop: time the weight broadcast against raw broadcasts (rollout/bench/broadcast.py)")
-    parser.add_argument("--bench-repeats", type=int, default=3)
+    parser.add_argument("--bench-repeats", type=int_at_least(1), default=3)
     return parser.parse_args(argv)
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from rollout import SamplingParams
 from rollout.distributed.dp_rollout import DPRollout, run_dp_rollout
 from rollout.distributed.group import DistContext, init_distributed, shutdown
-from rollout.distributed.launch_args import add_common_args, build_engine, maybe_die, resolve_backend
+from rollout.distributed.launch_args import (add_common_args, build_engine, finite_float, int_at_least, maybe_die,
+                                             resolve_backend)
 from rollout.distributed.phases import phase
 from rollout.distributed.prompts import load_prompts
 from rollout.wire import output_to_json
@@ -44,20 +45,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--prompts", default=None, help="JSON list (or JSONL) of token-id lists or strings")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--samples", type=int, default=1, help="samples per prompt (n); not --n: torchrun would take that as its own abbreviation")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--num-prompts", type=int_at_least(1), default=64)
+    parser.add_argument("--prompt-len", type=int_at_least(1), default=128)
+    parser.add_argument("--samples", type=int_at_least(1), default=1, help="samples per prompt (n); not --n: torchrun would take that as its own abbreviation")
+    parser.add_argument("--temperature", type=finite_float(0.0), default=0.0)
+    parser.add_argument("--top-p", type=finite_float(0.0, 1.0, above=True), default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--logprobs-mode", choices=("processed", "raw"), default="processed")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (per request); -1: engine-drawn")
     parser.add_argument("--seed-per-prompt", action="store_true", help="prompt i gets seed + i (else all share --seed)")
     parser.add_argument("--split", choices=("strided", "contiguous"), default="strided")
     parser.add_argument("--warmup", action="store_true", help="one short untimed rollout first (compiles kernels / graphs)")
-    parser.add_argument("--repeats", type=int, default=1, help="timed rollouts; the summary reports each")
+    parser.add_argument("--repeats", type=int_at_least(1), default=1, help="timed rollouts; the summary reports each")
     parser.add_argument("--output", default=None, help="rank 0 writes outputs and summary here (JSON)")
     return parser.parse_args(argv)
 

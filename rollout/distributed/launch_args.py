@@ -5,6 +5,7 @@ drive (--die-at-step). argparse only; no collectives here."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -19,16 +20,42 @@ from rollout.engine import Engine
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def int_at_least(low: int):
+    """argparse type: an int >= low (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def finite_float(low: float | None = None, high: float | None = None, *, above: bool = False):
+    """argparse type: a finite float in [low, high] ((low, high] with above=True)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        if low is not None and (value <= low if above else value < low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
+        return value
+    parse.__name__ = "float"
+    return parse
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="HF checkpoint dir, or a built-in shape name (llama8b, qwen06b) for random weights")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: each rank uses cuda:LOCAL_RANK")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with --device cuda, else gloo")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="every collective group's timeout")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank on CPU")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV budget per engine (tokens)")
+    parser.add_argument("--timeout-s", type=finite_float(0.0, above=True), default=300.0, help="every collective group's timeout")
+    parser.add_argument("--num-threads", type=int_at_least(1), default=None, help="torch threads per rank on CPU")
+    parser.add_argument("--page-size", type=int_at_least(1), default=16)
+    parser.add_argument("--max-total-tokens", type=int_at_least(1), default=None, help="KV budget per engine (tokens)")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                         help="dummy: random weights of the checkpoint's shapes (benchmarks)")
     parser.add_argument("--die-at-step", type=int, default=None, help="debug (failure tests): make --die-rank die at this step")
