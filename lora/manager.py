@@ -101,14 +101,17 @@ class LoraManager:
         until the slot is given away), else into the host copy. Returns the new version."""
         entry = self.adapters[name]
         slot = self.slot_of(name)
-        scaled = _scaled_parts(writes, entry.config.scaling)
+        parts = [(w.layer, w.module, w.which, w.tensor) for w in writes]
         if slot is not None:
-            self.pool.write_modules(slot, scaled, entry.config.r)
+            self.pool.write_modules(slot, parts, entry.config.r, entry.config.scaling)
             entry.host_stale = True
         else:
-            for layer, module, which, value in scaled:
+            for layer, module, which, value in parts:
                 a, b = entry.host[layer, module]
-                (a if which == "A" else b).copy_(value)
+                if which == "A":
+                    a.copy_(value)
+                else:
+                    b.copy_(value * entry.config.scaling)
         entry.version += 1
         return entry.version
 
@@ -165,11 +168,3 @@ class LoraManager:
             owner.host_stale = False
         self.slot_owner[slot] = None
         return slot
-
-
-def _scaled_parts(writes, scaling: float) -> list[tuple[int, str, str, torch.Tensor]]:
-    """(layer, HF module, "A"|"B", value) for each planned write, lora_B times the scaling
-    (one multi-tensor multiply for all of them)."""
-    bs = [w.tensor for w in writes if w.which == "B"]
-    scaled = iter(torch._foreach_mul(bs, scaling)) if bs else iter(())
-    return [(w.layer, w.module, w.which, w.tensor if w.which == "A" else next(scaled)) for w in writes]

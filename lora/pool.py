@@ -87,16 +87,27 @@ class LoraPool:
         self.slot_ranks[slot] = rank
 
     @torch.no_grad()
-    def write_modules(self, slot: int, parts: list[tuple[int, str, str, torch.Tensor]], rank: int) -> None:
+    def write_modules(self, slot: int, parts: list[tuple[int, str, str, torch.Tensor]], rank: int,
+                      b_scale: float) -> None:
         """In-place update of some of a resident adapter's tensors: (layer, module, "A"|"B",
-        value), as multi-tensor copies (a few launches for hundreds of tensors)."""
-        dst, src = [], []
+        unscaled value), as multi-tensor ops (a few launches for the hundreds of tensors of an
+        adapter). B is scaled in its incoming dtype before the copy rounds it, as at load."""
+        a_dst, a_src, b_dst, b_src = [], [], [], []
         for layer, hf_module, which, value in parts:
-            a_dst, b_dst = self._views(slot, layer, hf_module, rank)
-            dst.append(a_dst if which == "A" else b_dst)
-            src.append(value.to(self.device, non_blocking=True) if value.device != self.device else value)
-        if dst:
-            torch._foreach_copy_(dst, src, non_blocking=True)
+            views = self._views(slot, layer, hf_module, rank)
+            if value.device != self.device:
+                value = value.to(self.device, non_blocking=True)
+            if which == "A":
+                a_dst.append(views[0])
+                a_src.append(value)
+            else:
+                b_dst.append(views[1])
+                b_src.append(value)
+        if b_src:
+            b_src = list(torch._foreach_mul(b_src, b_scale))
+        for dst, src in ((a_dst, a_src), (b_dst, b_src)):
+            if dst:
+                torch._foreach_copy_(dst, src, non_blocking=True)
 
     @torch.no_grad()
     def read(self, slot: int, adapter: EngineAdapter, rank: int) -> None:
