@@ -134,3 +134,18 @@ def test_outputs_carry_the_weight_version(engine: Engine, llama: TinyModel) -> N
     out = engine.generate(input_ids=[[1, 2, 3]], sampling_params=GREEDY)[0]
     assert out.weight_version == engine.weight_version == 0
     assert out.weight_versions == [(0, 0, 6)]
+
+
+def test_config_without_architectures_falls_back_to_model_type(llama: TinyModel, tmp_path: Path) -> None:
+    """Configs written from GGUF files (and some older exports) carry model_type only."""
+    shutil.copytree(llama.path, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    del cfg["architectures"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    prompt = make_prompts(llama.vocab_size, [6], seed=5)[0]
+    out = Engine(EngineConfig(model=str(tmp_path / "m"))).generate(input_ids=[prompt], sampling_params=GREEDY)[0]
+    assert out.token_ids == llama.greedy(prompt, 6)
+    cfg["model_type"] = "falcon"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no `architectures` and model_type 'falcon' is not supported"):
+        Engine(EngineConfig(model=str(tmp_path / "m")))
