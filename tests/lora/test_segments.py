@@ -47,7 +47,8 @@ def test_padding_adds_empty_segments_and_uncovered_rows() -> None:
     assert (plan.num_rows, plan.num_segments, plan.num_lora_rows) == (3, 4, 2)
 
 
-@pytest.mark.parametrize("slots,lens", [([], []), ([-1, -1], [1, 4]), ([3, 2], [0, 0])], ids=["empty", "base", "no-rows"])
+@pytest.mark.parametrize("slots,lens", [([], []), ([-1, -1], [1, 4]), ([3, 2], [0, 0])],
+                         ids=["empty", "base", "no-rows"])
 def test_batches_without_lora_rows_have_no_segments(slots: list[int], lens: list[int]) -> None:
     assert as_lists(plan_segments(slots, lens)) == ([], [0], [])
     assert as_lists(plan_segments(slots, lens, num_rows=2, num_segments=2)) == ([0, 0], [0, 0, 0], [-1, -1])
