@@ -3,30 +3,33 @@ adapter of a mixed batch to one projection.
 
 A LoRA projection is ``out = base(x) + (x @ A^T) @ B^T * scaling``, done in two steps:
 ``h = sgmv_shrink(x, A...)`` then ``sgmv_expand(h, B..., out)`` (the scaling is folded
-into B). The batch's tokens come in G contiguous segments (rows ``seg_indptr[g] :
-seg_indptr[g+1]``), each with one adapter slot ``seg_slots[g]`` (-1: the base model). A
-fused projection (q/k/v: 3 slices, gate/up: 2, o or down: 1) is one call: each slice has
-its own A and B, stacked in the slot's weights.
+into B). The rows that run an adapter are listed in ``row_ids`` (token rows of x and out),
+grouped in G segments of one slot each: segment g is ``row_ids[seg_indptr[g] :
+seg_indptr[g+1]]`` under slot ``seg_slots[g]`` (``lora.segments.plan_segments`` builds
+them, one segment per slot in use, base rows left out). A fused projection (q/k/v: 3
+slices, gate/up: 2, o or down: 1) is one call: each slice has its own A and B, stacked in
+the slot's weights.
 
 Layouts (S slots, each padded to ``max_rank``; rows/columns past a slot's rank are zero):
 * A: ``[S, num_slices * max_rank, K]``; slice j's ``lora_A [rank, K]`` is rows
   ``j*max_rank : j*max_rank + rank``.
-* h: ``[T, num_slices * max_rank]`` in x's dtype; slice j's ranks are columns
-  ``j*max_rank : j*max_rank + rank``.
 * B: ``[S, N_out, max_rank]``; slice j owns out's columns ``slice_offsets[j] :
   slice_offsets[j+1]`` and reads h's slice-j columns.
+* h: opaque between the two calls: fp32 ``[SPLIT_K, R, num_slices * max_rank]``, partial
+  sums over SPLIT_K slices of K, indexed by position in ``row_ids`` (not by token row).
+  The kernels split K so that small batches still spread over the GPU (``lora.kernels.
+  tiling``); the references use SPLIT_K = 1. Expand sums the partials.
 
-The Triton kernels (``lora.kernels.sgmv``) leave h unwritten (``torch.empty``: stale
-memory, possibly NaN) on rows of base segments and at columns past a slot's rank; expand
-never reads those, and never touches out's rows of base segments. The references write
-zeros there. Both accumulate in fp32 and round each output element once.
+The kernels leave h unwritten (``torch.empty``: stale memory, possibly NaN) at padding
+positions and at columns past a slot's rank; expand never reads those, and never touches
+out's rows outside every segment (not even as out + 0). The references write zeros there.
+Both accumulate in fp32 and round each output element once.
 
 The kernel path is CUDA-graph capturable: argument checks are on shapes and dtypes only,
-the grid depends on host ints (``max_seg_len``, shapes), and nothing reads device values
-on the host; segment and slot tensors may change in place between replays. This module knows nothing about where adapters live or how segments are
-formed; the caller owns slots, ranks and ``max_seg_len`` (>= the longest segment: the
-kernels size their row blocks by it, so a loose bound costs speed, never rows; the
-references raise on a segment longer than it, so tests catch a wrong bound).
+the grid depends on shapes (R = ``row_ids.numel()``, G = ``seg_slots.numel()``), and
+nothing reads device values on the host; the contents of the segment tensors may change
+between replays. This module knows nothing about where adapters live or how segments are
+formed.
 
 Dispatch: Triton for CUDA tensors (when triton is installed), the torch reference
 otherwise. ``enabled`` (or the environment variable ROLLOUT_LORA_TRITON=1/0, read at
@@ -66,121 +69,105 @@ def use_triton(x: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------ dispatch
 
 
-def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
-                slot_ranks: torch.Tensor, *, num_slices: int, max_rank: int, max_seg_len: int) -> torch.Tensor:
-    """h [T, num_slices * max_rank] (x's dtype): ``h[t, j*max_rank + i] = x[t] . A_slot[j*max_rank + i]``
-    for rows t of LoRA segments and i < the slot's rank; other entries are unspecified
-    (see the module docstring).
+def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tensor, seg_indptr: torch.Tensor,
+                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, num_slices: int, max_rank: int) -> torch.Tensor:
+    """h fp32 [SPLIT_K, R, num_slices * max_rank]: summed over its first dim,
+    ``h[:, i, j*max_rank + r] = x[row_ids[i]] . A_slot[j*max_rank + r]`` for positions i of
+    segments and r < the slot's rank; other entries are unspecified (see the module docstring).
 
-    x: [T, K]; weights: [S, num_slices * max_rank, K] (x's dtype); seg_indptr: int32 [G+1];
-    seg_slots: int32 [G] (-1: base); slot_ranks: int32 [S]; all on x's device.
-    max_seg_len: host int >= the longest segment.
+    x: [T, K]; weights: [S, num_slices * max_rank, K] (x's dtype); row_ids: int32 [R];
+    seg_indptr: int32 [G+1]; seg_slots: int32 [G] (-1: base); slot_ranks: int32 [S]; all on
+    x's device.
     """
-    _check_shrink(x, weights, seg_indptr, seg_slots, slot_ranks, num_slices, max_rank, max_seg_len)
+    _check_shrink(x, weights, row_ids, seg_indptr, seg_slots, slot_ranks, num_slices, max_rank)
     if use_triton(x):
         from lora.kernels import sgmv
 
-        return sgmv.sgmv_shrink(x, weights, seg_indptr, seg_slots, slot_ranks, num_slices=num_slices,
-                                max_rank=max_rank, max_seg_len=max_seg_len)
-    return shrink_reference(x, weights, seg_indptr, seg_slots, slot_ranks, num_slices=num_slices,
-                            max_rank=max_rank, max_seg_len=max_seg_len)
+        return sgmv.sgmv_shrink(x, weights, row_ids, seg_indptr, seg_slots, slot_ranks, num_slices=num_slices,
+                                max_rank=max_rank)
+    return shrink_reference(x, weights, row_ids, seg_indptr, seg_slots, slot_ranks, num_slices=num_slices,
+                            max_rank=max_rank)
 
 
-def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
-                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, slice_offsets: tuple[int, ...], max_rank: int,
-                max_seg_len: int) -> None:
-    """In place: ``out[t, n] += sum_{i < rank} h[t, j*max_rank + i] * B_slot[n, i]`` for rows t
-    of LoRA segments, n in slice j. Rows of base segments are neither read nor written.
+def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_ids: torch.Tensor,
+                seg_indptr: torch.Tensor, seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
+                slice_offsets: tuple[int, ...], max_rank: int) -> None:
+    """In place: ``out[row_ids[i], n] += sum_s sum_{r < rank} h[s, i, j*max_rank + r] * B_slot[n, r]``
+    for positions i of segments, n in slice j. Other rows of out are neither read nor written.
 
-    h: [T, num_slices * max_rank]; weights: [S, N_out, max_rank] (h's dtype, scaling folded
-    in); out: [T, N_out] (any float dtype); slice_offsets: host tuple [num_slices + 1] from 0
-    to N_out (slices may differ in width); segment tensors as in ``sgmv_shrink``.
+    h: from ``sgmv_shrink`` (fp32 [SPLIT_K, R, num_slices * max_rank]); weights: [S, N_out,
+    max_rank] (scaling folded in); out: [T, N_out]; slice_offsets: host tuple [num_slices + 1]
+    from 0 to N_out (slices may differ in width); segment tensors as in ``sgmv_shrink``.
     """
-    _check_expand(h, weights, out, seg_indptr, seg_slots, slot_ranks, slice_offsets, max_rank, max_seg_len)
+    _check_expand(h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks, slice_offsets, max_rank)
     if use_triton(h):
         from lora.kernels import sgmv
 
-        sgmv.sgmv_expand(h, weights, out, seg_indptr, seg_slots, slot_ranks, slice_offsets=slice_offsets,
-                         max_rank=max_rank, max_seg_len=max_seg_len)
+        sgmv.sgmv_expand(h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks, slice_offsets=slice_offsets,
+                         max_rank=max_rank)
     else:
-        expand_reference(h, weights, out, seg_indptr, seg_slots, slot_ranks, slice_offsets=slice_offsets,
-                         max_rank=max_rank, max_seg_len=max_seg_len)
+        expand_reference(h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks, slice_offsets=slice_offsets,
+                         max_rank=max_rank)
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-def _row_slots(seg_indptr: torch.Tensor, seg_slots: torch.Tensor, num_rows: int, max_seg_len: int) -> torch.Tensor:
-    """[T] int64: each row's slot, -1 for rows of base segments and rows outside every segment."""
-    indptr = seg_indptr.long()  # [G+1]
-    num_segments = seg_slots.shape[0]
-    if num_segments == 0:
-        return torch.full((num_rows,), -1, dtype=torch.long, device=seg_slots.device)
-    longest = int((indptr[1:] - indptr[:-1]).max())
-    if longest > max_seg_len:
-        raise ValueError(f"a segment has {longest} rows, more than max_seg_len={max_seg_len}")
-    rows = torch.arange(num_rows, device=indptr.device)
-    # The last segment starting at or before each row; empty segments share a start with
-    # the next one, and right=True skips past them to it.
-    seg = torch.searchsorted(indptr, rows, right=True) - 1  # [T]
-    inside = (seg >= 0) & (rows < indptr[-1])
-    slots = seg_slots.long()[seg.clamp(0, num_segments - 1)]
-    return torch.where(inside, slots, -1)
+def _segments(row_ids: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
+              slot_ranks: torch.Tensor) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """(first position, end position, slot, rank, rows [n] int64) of each segment with rows
+    and a nonzero rank: a plan has one segment per slot in use, a handful, so the
+    references do a few matmuls per segment and nothing per token."""
+    indptr, slots, ranks = seg_indptr.tolist(), seg_slots.tolist(), slot_ranks.tolist()  # one sync each
+    rows = row_ids.long()
+    return [(lo, hi, slot, ranks[slot], rows[lo:hi]) for lo, hi, slot in zip(indptr[:-1], indptr[1:], slots)
+            if hi > lo and slot >= 0 and ranks[slot] > 0]
 
 
-def _slot_groups(row_slots: torch.Tensor, slot_ranks: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-    """(slot, rank, row indices [n]) for each LoRA slot present with a nonzero rank: a batch
-    has a handful of distinct slots, so the references do a few matmuls per slot."""
-    groups = []
-    for slot in row_slots.unique().tolist():
-        rank = int(slot_ranks[slot]) if slot >= 0 else 0
-        if rank > 0:
-            groups.append((slot, rank, (row_slots == slot).nonzero().squeeze(1)))
-    return groups
+def shrink_reference(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tensor, seg_indptr: torch.Tensor,
+                     seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, num_slices: int,
+                     max_rank: int) -> torch.Tensor:
+    """Torch twin of the shrink kernel (the CPU path): h [1, R, num_slices * max_rank], zeros
+    where the kernel leaves h unwritten."""
+    hidden = x.shape[1]
+    h = torch.zeros((row_ids.shape[0], num_slices, max_rank), dtype=torch.float32, device=x.device)
+    for lo, hi, slot, rank, rows in _segments(row_ids, seg_indptr, seg_slots, slot_ranks):
+        a = weights[slot].view(num_slices, max_rank, hidden)[:, :rank]  # [num_slices, rank, K]
+        hs = x[rows].float() @ a.reshape(num_slices * rank, hidden).float().T  # [n, num_slices * rank]
+        h[lo:hi, :, :rank] = hs.view(hi - lo, num_slices, rank)
+    return h.view(1, row_ids.shape[0], num_slices * max_rank)
 
 
-def shrink_reference(x: torch.Tensor, weights: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
-                     slot_ranks: torch.Tensor, *, num_slices: int, max_rank: int, max_seg_len: int) -> torch.Tensor:
-    """Torch twin of the shrink kernel (the CPU path): zeros where the kernel leaves h unwritten."""
-    num_tokens, hidden = x.shape
-    h = torch.zeros((num_tokens, num_slices, max_rank), dtype=x.dtype, device=x.device)
-    row_slots = _row_slots(seg_indptr, seg_slots, num_tokens, max_seg_len)
-    for slot, rank, rows in _slot_groups(row_slots, slot_ranks):
-        a = weights[slot].view(num_slices, max_rank, hidden)[:, :rank].reshape(num_slices * rank, hidden)
-        hs = x[rows].float() @ a.float().T  # [n, num_slices * rank]
-        h[rows, :, :rank] = hs.view(-1, num_slices, rank).to(x.dtype)
-    return h.view(num_tokens, num_slices * max_rank)
-
-
-def expand_reference(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
-                     seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, slice_offsets: tuple[int, ...],
-                     max_rank: int, max_seg_len: int) -> None:
-    """Torch twin of the expand kernel: h past a slot's rank is never read (it may be NaN)."""
-    num_tokens, n_out = out.shape
+def expand_reference(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_ids: torch.Tensor,
+                     seg_indptr: torch.Tensor, seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
+                     slice_offsets: tuple[int, ...], max_rank: int) -> None:
+    """Torch twin of the expand kernel: h at padding positions and past a slot's rank is never
+    read (it may be NaN), out's rows outside every segment are not touched."""
+    n_out = out.shape[1]
     num_slices = len(slice_offsets) - 1
-    row_slots = _row_slots(seg_indptr, seg_slots, num_tokens, max_seg_len)
-    for slot, rank, rows in _slot_groups(row_slots, slot_ranks):
-        hs = h[rows].view(-1, num_slices, max_rank)[:, :, :rank].float()  # [n, num_slices, rank]
-        delta = torch.empty((rows.shape[0], n_out), dtype=torch.float32, device=out.device)
+    for lo, hi, slot, rank, rows in _segments(row_ids, seg_indptr, seg_slots, slot_ranks):
+        hs = h[:, lo:hi].view(h.shape[0], hi - lo, num_slices, max_rank)[..., :rank].float().sum(0)  # [n, slices, rank]
+        delta = torch.empty((hi - lo, n_out), dtype=torch.float32, device=out.device)
         for j in range(num_slices):
-            lo, hi = slice_offsets[j], slice_offsets[j + 1]
-            delta[:, lo:hi] = hs[:, j] @ weights[slot, lo:hi, :rank].float().T
+            a, b = slice_offsets[j], slice_offsets[j + 1]
+            delta[:, a:b] = hs[:, j] @ weights[slot, a:b, :rank].float().T
         out[rows] = (out[rows].float() + delta).to(out.dtype)
 
 
 # -------------------------------------------------------------------------------- checks
 
 
-def _check_segments(device: torch.device, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
-                    slot_ranks: torch.Tensor, num_slots: int, max_seg_len: int) -> None:
+def _check_segments(device: torch.device, row_ids: torch.Tensor, seg_indptr: torch.Tensor,
+                    seg_slots: torch.Tensor, slot_ranks: torch.Tensor, num_rows: int, num_slots: int) -> None:
     num_segments = seg_slots.shape[0] if seg_slots.dim() == 1 else -1
-    for name, t, length in (("seg_indptr", seg_indptr, num_segments + 1), ("seg_slots", seg_slots, num_segments),
-                            ("slot_ranks", slot_ranks, num_slots)):
-        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != length or t.device != device:
-            raise ValueError(f"{name} must be int32 [{length}] on {device}, got {t.dtype} "
+    for name, t, length in (("row_ids", row_ids, num_rows), ("seg_indptr", seg_indptr, num_segments + 1),
+                            ("seg_slots", seg_slots, num_segments), ("slot_ranks", slot_ranks, num_slots)):
+        if t.dtype != torch.int32 or t.dim() != 1 or (length >= 0 and t.shape[0] != length) or t.device != device:
+            want = "*" if length < 0 else length
+            raise ValueError(f"{name} must be int32 [{want}] on {device}, got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device}")
-    if not isinstance(max_seg_len, int) or max_seg_len < 0:
-        raise ValueError(f"max_seg_len must be a host int >= 0, got {max_seg_len!r}")
+        if t.shape[0] > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
 
 
 def _check_matrix(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None,
@@ -195,27 +182,31 @@ def _check_matrix(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: tor
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
-def _check_shrink(x: torch.Tensor, weights: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
-                  slot_ranks: torch.Tensor, num_slices: int, max_rank: int, max_seg_len: int) -> None:
+def _check_shrink(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tensor, seg_indptr: torch.Tensor,
+                  seg_slots: torch.Tensor, slot_ranks: torch.Tensor, num_slices: int, max_rank: int) -> None:
     if num_slices < 1 or max_rank < 1:
         raise ValueError(f"num_slices and max_rank must be >= 1, got {num_slices}, {max_rank}")
     _check_matrix("x", x, (-1, -1), None, x.device)
     _check_matrix("weights", weights, (-1, num_slices * max_rank, x.shape[1]), x.dtype, x.device)
-    _check_segments(x.device, seg_indptr, seg_slots, slot_ranks, weights.shape[0], max_seg_len)
+    _check_segments(x.device, row_ids, seg_indptr, seg_slots, slot_ranks, -1, weights.shape[0])
 
 
-def _check_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
-                  seg_slots: torch.Tensor, slot_ranks: torch.Tensor, slice_offsets: tuple[int, ...],
-                  max_rank: int, max_seg_len: int) -> None:
+def _check_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_ids: torch.Tensor,
+                  seg_indptr: torch.Tensor, seg_slots: torch.Tensor, slot_ranks: torch.Tensor,
+                  slice_offsets: tuple[int, ...], max_rank: int) -> None:
     num_slices = len(slice_offsets) - 1
     if not 1 <= num_slices <= MAX_SLICES or max_rank < 1:
         raise ValueError(f"need 1..{MAX_SLICES} slices and max_rank >= 1, got slice_offsets={slice_offsets}, "
                          f"max_rank={max_rank}")
     _check_matrix("out", out, (-1, -1), None, h.device)
-    num_tokens, n_out = out.shape
+    n_out = out.shape[1]
     if slice_offsets[0] != 0 or slice_offsets[-1] != n_out or any(
             lo > hi for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:])):
         raise ValueError(f"slice_offsets must rise from 0 to N_out={n_out}, got {slice_offsets}")
-    _check_matrix("h", h, (num_tokens, num_slices * max_rank), None, h.device)
-    _check_matrix("weights", weights, (-1, n_out, max_rank), h.dtype, h.device)
-    _check_segments(h.device, seg_indptr, seg_slots, slot_ranks, weights.shape[0], max_seg_len)
+    want = (-1, row_ids.shape[0], num_slices * max_rank)
+    _check_matrix("h", h, want, torch.float32, h.device)
+    if h.shape[0] < 1 or not h.is_contiguous():
+        raise ValueError(f"h must be a contiguous fp32 [SPLIT_K >= 1, R, num_slices * max_rank] from sgmv_shrink, "
+                         f"got {tuple(h.shape)} with strides {h.stride()}")
+    _check_matrix("weights", weights, (-1, n_out, max_rank), None, h.device)
+    _check_segments(h.device, row_ids, seg_indptr, seg_slots, slot_ranks, -1, weights.shape[0])
