@@ -1,37 +1,35 @@
-"""Multi-LoRA SGMV ops (lora.ops): the torch references against a naive per-token loop,
-and the Triton kernels (lora.kernels.sgmv) against the references.
+"""Multi-LoRA SGMV ops (lora.ops): the torch references against a naive per-token loop, the
+Triton kernels (lora.kernels.sgmv) against the references, and the kernels' tiling choices.
 
-Without CUDA the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1, set
-below before lora.kernels.sgmv first imports triton) on tiny shapes, in float32 and
-float16. The interpreter's tl.dot multiplies bf16 bit patterns as integers (numpy has no
-bf16), so bf16 is checked on a GPU only, together with a realistic shape and CUDA-graph
-capture.
+Without CUDA the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before anything imports triton) on tiny shapes, in float32 and float16.
+The interpreter's tl.dot multiplies bf16 bit patterns as integers (numpy has no bf16), so
+bf16 is checked on a GPU only, together with realistic shapes and CUDA-graph replay.
 
-The kernels' contract on what they leave alone is checked, not assumed: shrink is
-compared only where it must write (its h comes from torch.empty), expand's h is poisoned
-with NaN wherever shrink may leave it unwritten (rows of base segments, columns past a
-slot's rank) so reading any of it shows up in out, and base rows of out are compared bit
+The kernels' contract on what they leave alone is checked, not assumed: shrink is compared
+only where it must write (its h comes from torch.empty), expand's h is poisoned with NaN
+wherever shrink may leave it unwritten (padding positions, columns past a slot's rank) so
+reading any of it shows up in out, and rows of out outside every segment are compared bit
 for bit, -0.0 included (a rewrite as out + 0.0 would turn it into +0.0).
 
 Tolerances: float32 1e-5 (fp32 accumulation in another order); float16/bfloat16 one or two
-units in the last place of the output (the same fp32 sum rounded once, whose last fp32
-bits may differ, can round to the neighbouring 16-bit value).
+units in the last place of the output (the same fp32 sum rounded once, whose last fp32 bits
+may differ - on a GPU expand multiplies in TF32 - can round to the neighbouring value).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
-
-from lora import ops  # noqa: E402
+from lora import ops
+from lora.kernels import tiling
+from lora.segments import plan_segments
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -49,58 +47,66 @@ SLICES = {"one": (24,), "two": (20, 20), "three": (32, 12, 12)}
 
 @dataclass
 class Problem:
-    """One projection of a mixed batch: tokens in segments, adapters in slots."""
+    """One projection of a mixed batch: requests' tokens in rows, adapters in slots."""
 
     x: torch.Tensor  # [T, K]
     lora_a: torch.Tensor  # [S, num_slices * max_rank, K], zero past each slot's rank
     lora_b: torch.Tensor  # [S, N_out, max_rank], zero past each slot's rank
     out: torch.Tensor  # [T, N_out], the base projection's output
+    row_ids: torch.Tensor  # int32 [R]
     seg_indptr: torch.Tensor  # int32 [G + 1]
-    seg_slots: torch.Tensor  # int32 [G], -1 = base
+    seg_slots: torch.Tensor  # int32 [G], -1 = none (padding)
     slot_ranks: torch.Tensor  # int32 [S]
     slice_offsets: tuple[int, ...]
     max_rank: int
-    max_seg_len: int
 
     @property
     def num_slices(self) -> int:
         return len(self.slice_offsets) - 1
 
-    def shrink_args(self) -> tuple[torch.Tensor, ...]:
-        return self.x, self.lora_a, self.seg_indptr, self.seg_slots, self.slot_ranks
+    def segments(self) -> tuple[torch.Tensor, ...]:
+        return self.row_ids, self.seg_indptr, self.seg_slots, self.slot_ranks
 
-    def shrink_kwargs(self, max_seg_len: int | None = None) -> dict[str, int]:
-        return dict(num_slices=self.num_slices, max_rank=self.max_rank,
-                    max_seg_len=self.max_seg_len if max_seg_len is None else max_seg_len)
+    def shrink(self, fn: Any = None) -> torch.Tensor:
+        fn = fn or ops.sgmv_shrink
+        return fn(self.x, self.lora_a, *self.segments(), num_slices=self.num_slices, max_rank=self.max_rank)
 
-    def expand_kwargs(self, max_seg_len: int | None = None) -> dict[str, object]:
-        return dict(slice_offsets=self.slice_offsets, max_rank=self.max_rank,
-                    max_seg_len=self.max_seg_len if max_seg_len is None else max_seg_len)
+    def expand(self, h: torch.Tensor, out: torch.Tensor, fn: Any = None) -> None:
+        fn = fn or ops.sgmv_expand
+        fn(h, self.lora_b, out, *self.segments(), slice_offsets=self.slice_offsets, max_rank=self.max_rank)
 
-    def row_slots(self) -> list[int]:
-        """Each row's slot (-1: base segment, empty slot, or outside every segment)."""
-        slots = [-1] * self.x.shape[0]
-        indptr = self.seg_indptr.tolist()
-        for g, slot in enumerate(self.seg_slots.tolist()):
-            if slot >= 0 and int(self.slot_ranks[slot]) > 0:
-                slots[indptr[g]:indptr[g + 1]] = [slot] * (indptr[g + 1] - indptr[g])
-        return slots
+    def positions(self) -> list[tuple[int, int, int]]:
+        """(position in row_ids, token row, rank) of every position that runs an adapter."""
+        indptr, slots, rows = self.seg_indptr.tolist(), self.seg_slots.tolist(), self.row_ids.tolist()
+        ranks = self.slot_ranks.tolist()
+        return [(i, rows[i], ranks[slot]) for g, slot in enumerate(slots) if slot >= 0 and ranks[slot] > 0
+                for i in range(indptr[g], indptr[g + 1])]
+
+    def slot_of(self, position: int) -> int:
+        return int(self.seg_slots[int(np.searchsorted(self.seg_indptr.cpu().numpy(), position, side="right")) - 1])
 
     def h_valid(self) -> torch.Tensor:
-        """[T, num_slices * max_rank] bool: the entries of h that shrink must write."""
-        valid = torch.zeros(self.x.shape[0], self.num_slices, self.max_rank, dtype=torch.bool)
-        for t, slot in enumerate(self.row_slots()):
-            if slot >= 0:
-                valid[t, :, : int(self.slot_ranks[slot])] = True
-        return valid.view(self.x.shape[0], -1).to(self.x.device)
+        """[R, num_slices * max_rank] bool: the entries of h that shrink must write."""
+        valid = torch.zeros(self.row_ids.shape[0], self.num_slices, self.max_rank, dtype=torch.bool)
+        for i, _, rank in self.positions():
+            valid[i, :, :rank] = True
+        return valid.view(self.row_ids.shape[0], -1).to(self.x.device)
+
+    def untouched_rows(self) -> torch.Tensor:
+        """[T] bool: rows of out that expand must leave alone (base rows, empty slots)."""
+        touched = torch.zeros(self.x.shape[0], dtype=torch.bool)
+        for _, row, _ in self.positions():
+            touched[row] = True
+        return (~touched).to(self.out.device)
 
 
-def make_problem(seg_lens: list[int], seg_slots: list[int], ranks: list[int], widths: tuple[int, ...], *,
+def make_problem(slots: list[int], extend_lens: list[int], ranks: list[int], widths: tuple[int, ...], *,
                  hidden: int = 32, max_rank: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0,
-                 max_seg_len: int | None = None, device: str = DEVICE) -> Problem:
+                 extra_rows: int = 0, extra_segments: int = 0, device: str = DEVICE) -> Problem:
+    """Requests (slot, extend_len) planned by plan_segments, padded by extra rows / segments."""
     g = torch.Generator().manual_seed(seed)
     num_slots, num_slices, n_out = len(ranks), len(widths), sum(widths)
-    num_tokens = sum(seg_lens)
+    num_tokens = sum(extend_lens)
     # Scaled so h and the LoRA delta are O(1): absolute tolerances then mean what they say.
     x = torch.randn(num_tokens, hidden, generator=g)
     lora_a = torch.randn(num_slots, num_slices, max_rank, hidden, generator=g) / hidden**0.5
@@ -109,46 +115,39 @@ def make_problem(seg_lens: list[int], seg_slots: list[int], ranks: list[int], wi
         lora_a[slot, :, rank:] = 0
         lora_b[slot, :, rank:] = 0
     out = torch.randn(num_tokens, n_out, generator=g)
-    indptr = [0]
-    for length in seg_lens:
-        indptr.append(indptr[-1] + length)
-    offsets = [0]
-    for width in widths:
-        offsets.append(offsets[-1] + width)
+    base = plan_segments(slots, extend_lens)
+    plan = plan_segments(slots, extend_lens, num_rows=base.num_rows + extra_rows,
+                         num_segments=base.num_segments + extra_segments)
+    offsets = tuple(int(v) for v in np.cumsum((0,) + widths))
 
     def floats(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype)
 
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+    def ints(a: np.ndarray | list[int]) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)
 
     return Problem(
         x=floats(x), lora_a=floats(lora_a.view(num_slots, num_slices * max_rank, hidden)), lora_b=floats(lora_b),
-        out=floats(out), seg_indptr=ints(indptr), seg_slots=ints(seg_slots), slot_ranks=ints(ranks),
-        slice_offsets=tuple(offsets), max_rank=max_rank,
-        max_seg_len=max(seg_lens, default=0) if max_seg_len is None else max_seg_len,
+        out=floats(out), row_ids=ints(plan.row_ids), seg_indptr=ints(plan.seg_indptr),
+        seg_slots=ints(plan.seg_slots), slot_ranks=ints(ranks), slice_offsets=offsets, max_rank=max_rank,
     )
 
 
 def random_problem(widths: tuple[int, ...], *, seed: int, max_rank: int = 16, ranks: list[int] | None = None,
-                   num_segments: int = 9, max_len: int = 5, **kwargs: Any) -> Problem:
-    """Random segments: empty ones, base (-1) ones, repeated slots, and an empty slot."""
+                   num_requests: int = 9, max_len: int = 5, **kwargs: Any) -> Problem:
+    """Random requests: base (-1) ones, empty ones, repeated slots, an empty slot (rank 0)."""
     g = torch.Generator().manual_seed(seed)
     ranks = [8, max_rank, 4, 0] if ranks is None else ranks
-    seg_lens = torch.randint(0, max_len + 1, (num_segments,), generator=g).tolist()
-    seg_lens[1] = 0  # always at least one empty segment
-    seg_slots = torch.randint(-1, len(ranks), (num_segments,), generator=g).tolist()
-    seg_slots[0], seg_lens[0] = -1, max(seg_lens[0], 1)  # and one non-empty base segment
-    return make_problem(seg_lens, seg_slots, ranks, widths, max_rank=max_rank, seed=seed, **kwargs)
+    lens = torch.randint(0, max_len + 1, (num_requests,), generator=g).tolist()
+    slots = torch.randint(-1, len(ranks), (num_requests,), generator=g).tolist()
+    slots[0], lens[0] = -1, max(lens[0], 1)  # always a base row
+    slots[1], lens[1] = 0, max(lens[1], 1)  # and a LoRA one
+    return make_problem(slots, lens, ranks, widths, max_rank=max_rank, seed=seed, **kwargs)
 
 
-def poisoned_h(h: torch.Tensor, p: Problem) -> torch.Tensor:
+def poisoned(h: torch.Tensor, p: Problem) -> torch.Tensor:
     """h with NaN wherever shrink may leave it unwritten: expand must never read there."""
     return torch.where(p.h_valid(), h, torch.full_like(h, float("nan")))
-
-
-def base_rows(p: Problem) -> torch.Tensor:
-    return torch.tensor([slot < 0 for slot in p.row_slots()], device=p.out.device)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -169,27 +168,24 @@ def triton_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def naive_shrink(p: Problem) -> torch.Tensor:
-    """float64 h, one token and one slice at a time; zeros where nothing is defined."""
-    h = torch.zeros(p.x.shape[0], p.num_slices, p.max_rank, dtype=torch.float64)
+    """float64 h [R, num_slices * max_rank], one position and one slice at a time; zeros
+    where nothing is defined."""
+    h = torch.zeros(p.row_ids.shape[0], p.num_slices, p.max_rank, dtype=torch.float64)
     a = p.lora_a.cpu().double().view(p.lora_a.shape[0], p.num_slices, p.max_rank, -1)
-    for t, slot in enumerate(p.row_slots()):
-        if slot >= 0:
-            rank = int(p.slot_ranks[slot])
-            for j in range(p.num_slices):
-                h[t, j, :rank] = a[slot, j, :rank] @ p.x[t].cpu().double()
-    return h.view(p.x.shape[0], -1)
+    for i, row, rank in p.positions():
+        for j in range(p.num_slices):
+            h[i, j, :rank] = a[p.slot_of(i), j, :rank] @ p.x[row].cpu().double()
+    return h.view(p.row_ids.shape[0], -1)
 
 
 def naive_expand(p: Problem, h: torch.Tensor) -> torch.Tensor:
-    """float64 out + delta, one token and one slice at a time."""
+    """float64 out + delta, one position and one slice at a time; h: [R, N] (summed)."""
     out = p.out.cpu().double().clone()
     h3 = h.cpu().double().view(h.shape[0], p.num_slices, p.max_rank)
-    for t, slot in enumerate(p.row_slots()):
-        if slot >= 0:
-            rank = int(p.slot_ranks[slot])
-            for j in range(p.num_slices):
-                lo, hi = p.slice_offsets[j], p.slice_offsets[j + 1]
-                out[t, lo:hi] += p.lora_b[slot, lo:hi, :rank].cpu().double() @ h3[t, j, :rank]
+    for i, row, rank in p.positions():
+        for j in range(p.num_slices):
+            lo, hi = p.slice_offsets[j], p.slice_offsets[j + 1]
+            out[row, lo:hi] += p.lora_b[p.slot_of(i), lo:hi, :rank].cpu().double() @ h3[i, j, :rank]
     return out
 
 
@@ -197,48 +193,63 @@ def naive_expand(p: Problem, h: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("slices", list(SLICES), ids=str)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reference_matches_naive_loop(slices: str, max_rank: int, seed: int) -> None:
-    # max_rank 32 > every rank (8, 16, 4, 0): padding rows of A / columns of B never count
-    p = random_problem(SLICES[slices], seed=seed, max_rank=max_rank, ranks=[8, 16, 4, 0], device="cpu")
-    h = ops.shrink_reference(*p.shrink_args(), **p.shrink_kwargs())
-    assert h.shape == (p.x.shape[0], p.num_slices * p.max_rank) and h.dtype == p.x.dtype
-    torch.testing.assert_close(h.double(), naive_shrink(p), rtol=1e-5, atol=1e-5)  # zeros off the valid entries too
+    # max_rank 32 > every rank (8, 16, 4, 0): padding rows of A / columns of B never count;
+    # seed 1 pads the plan (padding positions and empty segments are never read)
+    p = random_problem(SLICES[slices], seed=seed, max_rank=max_rank, extra_rows=3 * seed, extra_segments=2 * seed,
+                       device="cpu")
+    h = p.shrink(ops.shrink_reference)
+    assert h.shape == (1, p.row_ids.shape[0], p.num_slices * p.max_rank) and h.dtype == torch.float32
+    torch.testing.assert_close(h[0].double(), naive_shrink(p), rtol=1e-5, atol=1e-5)  # zeros off the valid entries
 
-    out0, expected = p.out.clone(), naive_expand(p, h)
-    ops.expand_reference(poisoned_h(h, p), p.lora_b, p.out, p.seg_indptr, p.seg_slots, p.slot_ranks,
-                         **p.expand_kwargs())
+    out0, expected = p.out.clone(), naive_expand(p, h[0])
+    p.expand(poisoned(h, p), p.out, ops.expand_reference)
     torch.testing.assert_close(p.out.double(), expected, rtol=1e-5, atol=1e-5)
-    base = base_rows(p)
-    assert base.any() and same_bits(p.out[base], out0[base])
+    untouched = p.untouched_rows()
+    assert untouched.any() and same_bits(p.out[untouched], out0[untouched])
 
 
-def test_reference_rejects_a_segment_longer_than_max_seg_len() -> None:
-    p = make_problem([2, 5], [0, 1], [4, 4], (8,), device="cpu")
-    with pytest.raises(ValueError, match="max_seg_len"):
-        ops.shrink_reference(*p.shrink_args(), **p.shrink_kwargs(max_seg_len=4))
+def test_reference_sums_split_partials() -> None:
+    # h from the kernels has SPLIT_K partials: the reference expand sums them too
+    p = random_problem(SLICES["two"], seed=2, device="cpu")
+    h = p.shrink(ops.shrink_reference)
+    parts = torch.randn((3,) + h.shape[1:], generator=torch.Generator().manual_seed(2))
+    split = torch.cat([parts, h - parts.sum(0, keepdim=True)])  # [4, R, N] summing to h
+    out = p.out.clone()
+    p.expand(h, out, ops.expand_reference)
+    p.expand(poisoned(split, p), p.out, ops.expand_reference)
+    torch.testing.assert_close(p.out, out, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------- Triton vs the reference
 
 
-def check_triton_vs_reference(p: Problem, max_seg_len: int | None = None) -> None:
-    """Shrink's written entries and expand's whole out against the references; base rows
-    of out bit-identical (never rewritten), h's unwritten entries never read."""
+def check_triton_vs_reference(p: Problem) -> None:
+    """Shrink's written entries and expand's whole out against the references; untouched
+    rows of out bit-identical (never rewritten), h's unwritten entries never read."""
     from lora.kernels import sgmv
 
     tol = TOL[p.x.dtype]
     valid = p.h_valid()
-    h = sgmv.sgmv_shrink(*p.shrink_args(), **p.shrink_kwargs(max_seg_len))
-    h_ref = ops.shrink_reference(*p.shrink_args(), **p.shrink_kwargs())
-    assert h.shape == h_ref.shape and h.dtype == p.x.dtype
-    torch.testing.assert_close(h[valid], h_ref[valid], **tol)
+    h = p.shrink(sgmv.sgmv_shrink)
+    h_ref = p.shrink(ops.shrink_reference)
+    assert h.dtype == torch.float32 and h.shape[1:] == h_ref.shape[1:] and h.is_contiguous()
+    torch.testing.assert_close(h.sum(0)[valid], h_ref[0][valid], **tol)
 
-    h_in = poisoned_h(h_ref, p)  # the same input for both expands isolates expand's error
     out, out_ref = p.out.clone(), p.out.clone()
-    sgmv.sgmv_expand(h_in, p.lora_b, out, p.seg_indptr, p.seg_slots, p.slot_ranks, **p.expand_kwargs(max_seg_len))
-    ops.expand_reference(h_in, p.lora_b, out_ref, p.seg_indptr, p.seg_slots, p.slot_ranks, **p.expand_kwargs())
+    p.expand(poisoned(h, p), out, sgmv.sgmv_expand)
+    p.expand(h_ref, out_ref, ops.expand_reference)
     torch.testing.assert_close(out, out_ref, **tol)
-    base = base_rows(p)
-    assert same_bits(out[base], p.out[base]), "base rows must not be rewritten"
+    untouched = p.untouched_rows()
+    assert same_bits(out[untouched], p.out[untouched]), "rows outside every segment must not be rewritten"
+
+
+@pytest.fixture
+def gpu_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tile as for a 132-SM GPU (narrow blocks, many programs) rather than the
+    interpreter's few wide ones: covers column blocks skipped past the rank."""
+    from lora.kernels import sgmv
+
+    monkeypatch.setattr(sgmv, "_num_sms", lambda device: tiling.DEFAULT_NUM_SMS)
 
 
 @needs_triton
@@ -249,74 +260,100 @@ def test_triton_matches_reference(slices: str, dtype: torch.dtype) -> None:
 
 
 @needs_triton
-def test_triton_max_rank_above_every_rank() -> None:
-    # N-blocks past a slot's rank are skipped in shrink; expand's K loop stops at the rank
-    check_triton_vs_reference(random_problem(SLICES["three"], seed=4, max_rank=32, ranks=[8, 16, 4, 0]))
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_triton_decode_segments(dtype: torch.dtype) -> None:
-    # decode: every segment one token (max_seg_len 1), slots interleaved
-    slots = [0, 2, -1, 1, 0, -1, 3, 2]
-    check_triton_vs_reference(make_problem([1] * len(slots), slots, [8, 16, 4, 0], SLICES["three"], dtype=dtype))
-
-
-@needs_triton
-def test_triton_more_segments_than_one_lookup_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a program finds its segment _BLOCK_G (256) segments at a time; with 8 (for speed in
-    # the interpreter), 20 segments of mixed lengths take three
+@pytest.mark.parametrize("split_k,hidden", [(2, 384), (3, 80), (5, 80)], ids=str)
+def test_triton_split_k(split_k: int, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # K=384 in 128-wide steps: splits of 256 and 128, the last one a step short (unmasked);
+    # K=80 in 32- and 16-wide steps: 32/32/16 and 16 x 5 (masked). Expand sums the partials
+    # two at a time (a small register budget), the last pair half past SPLIT_K.
     from lora.kernels import sgmv
 
-    monkeypatch.setattr(sgmv, "_BLOCK_G", 8)
-    g = torch.Generator().manual_seed(8)
-    seg_lens = torch.randint(0, 4, (20,), generator=g).tolist()
-    slots = torch.randint(-1, 3, (20,), generator=g).tolist()
-    check_triton_vs_reference(make_problem(seg_lens, slots, [8, 16, 4], (16,), hidden=16))
-
-
-@needs_triton
-def test_triton_long_segments() -> None:
-    # prefill: 64-row M-blocks, a segment spanning two of them; K=40 is not a multiple of
-    # the K step (masked tail; the other tests' K=32 is)
-    p = make_problem([70, 3, 0, 20], [1, -1, 2, 0], [8, 16, 4], SLICES["three"], hidden=40)
+    monkeypatch.setattr(sgmv, "_FORCE_SPLIT_K", split_k)
+    monkeypatch.setattr(tiling, "PARTIALS_TILE", 2 * 16 * 16)
+    p = random_problem(SLICES["three"], seed=4, hidden=hidden)
+    assert p.shrink(sgmv.sgmv_shrink).shape[0] == split_k
+    assert tiling.expand_tiling(p.row_ids.shape[0], p.seg_slots.shape[0], (32, 12, 12), 16, split_k).split_chunk == 2
     check_triton_vs_reference(p)
 
 
 @needs_triton
-def test_triton_max_seg_len_larger_than_needed() -> None:
-    # a loose bound only picks larger row blocks (and idle tile ids between segments)
-    p = random_problem(SLICES["two"], seed=5)
-    for max_seg_len in (p.max_seg_len + 1, 70):
-        check_triton_vs_reference(p, max_seg_len=max_seg_len)
-
-
-@needs_triton
-@pytest.mark.parametrize("max_seg_len", [1, 37])
-def test_triton_mixed_decode_and_prefill(max_seg_len: int) -> None:
-    # A chunked-prefill step: decode tokens around a long segment, segments starting off the
-    # 16/64-row block grid, empty segments in between. The kernels number only the M-blocks
-    # that exist (compact tile ids), so every row is covered even with max_seg_len=1 (which
-    # only picks 16-row blocks; the reference, given the true bound, is the oracle).
-    seg_lens = [1] * 6 + [37] + [1, 0, 1, 1] + [20, 0]
-    slots = [0, 2, -1, 1, 0, 2, 1, 2, 0, -1, 0, 2, 1]
-    check_triton_vs_reference(make_problem(seg_lens, slots, [8, 16, 4], SLICES["three"]), max_seg_len=max_seg_len)
-
-
-@needs_triton
-def test_triton_expand_leaves_base_rows_bit_identical() -> None:
-    # h is NaN everywhere but the LoRA segment's valid entries, and out's base rows hold
-    # -0.0: a base row that read h, or was rewritten even as out + 0.0, would change
-    p = make_problem([3, 4, 2], [-1, 0, -1], [8], (24, 8), dtype=torch.float16)
-    p.out[:3, ::2] = -0.0
-    p.out[7:, ::2] = -0.0
-    h = torch.full((p.x.shape[0], 2 * p.max_rank), float("nan"), dtype=p.x.dtype, device=p.x.device)
-    h[3:7, :8] = 1.0
-    h[3:7, p.max_rank:p.max_rank + 8] = 1.0
-    out0 = p.out.clone()
+def test_triton_split_k_with_a_ragged_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    # K=40 is no multiple of the 16-wide step: the last split's last step is masked
     from lora.kernels import sgmv
 
-    sgmv.sgmv_expand(h, p.lora_b, p.out, p.seg_indptr, p.seg_slots, p.slot_ranks, **p.expand_kwargs())
+    monkeypatch.setattr(sgmv, "_FORCE_SPLIT_K", 2)
+    check_triton_vs_reference(random_problem(SLICES["two"], seed=5, hidden=40, dtype=torch.float16))
+
+
+@needs_triton
+@pytest.mark.parametrize("max_rank", [16, 32], ids=lambda r: f"max_rank{r}")
+def test_triton_gpu_tiling_and_ranks_below_max_rank(max_rank: int, gpu_tiling: None) -> None:
+    # 16-column shrink blocks: those past a slot's rank return at once; expand's rank loop
+    # stops at the rank (8, 4 < max_rank; rank 0 is an empty slot)
+    check_triton_vs_reference(random_problem(SLICES["three"], seed=6, max_rank=max_rank, ranks=[8, 16, 4, 0]))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_decode_plan_padded_for_a_graph(dtype: torch.dtype) -> None:
+    # decode: one row per request, slots interleaved, plan padded like a CUDA graph's buffers
+    slots = [0, 2, -1, 1, 0, -1, 3, 2, 1, 0]
+    p = make_problem(slots, [1] * len(slots), [8, 16, 4, 0], SLICES["three"], dtype=dtype, extra_rows=2,
+                     extra_segments=3)
+    check_triton_vs_reference(p)
+
+
+@needs_triton
+def test_triton_padding_does_not_change_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one split so both plans add in the same order: padded and unpadded agree to rounding
+    from lora.kernels import sgmv
+
+    monkeypatch.setattr(sgmv, "_FORCE_SPLIT_K", 1)
+    outs = []
+    for extra_rows, extra_segments in ((0, 0), (5, 4)):
+        p = random_problem(SLICES["two"], seed=7, extra_rows=extra_rows, extra_segments=extra_segments)
+        p.expand(p.shrink(sgmv.sgmv_shrink), p.out, sgmv.sgmv_expand)
+        outs.append(p.out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+@needs_triton
+def test_triton_more_segments_than_one_lookup_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a program finds its segment _MAX_BLOCK_G (128) segments at a time; with 8, 11 slots
+    # padded to 20 segments take three vector loads
+    from lora.kernels import sgmv
+
+    monkeypatch.setattr(sgmv, "_MAX_BLOCK_G", 8)
+    g = torch.Generator().manual_seed(8)
+    slots = torch.randint(-1, 11, (24,), generator=g).tolist()
+    lens = torch.randint(0, 3, (24,), generator=g).tolist()
+    ranks = [8, 16, 4, 16, 8, 0, 4, 8, 16, 4, 8]
+    p = make_problem(slots, lens, ranks, (16,), hidden=16, extra_segments=20 - len(set(slots) - {-1}))
+    assert p.seg_slots.shape[0] == 20
+    check_triton_vs_reference(p)
+
+
+@needs_triton
+def test_triton_long_segments() -> None:
+    # prefill: 64-row tiles (R/G ~ 30), a slot whose rows span two tiles and two requests
+    # (rows 0-69 and 93-112), segments starting off the tile grid; K=40 not a multiple of the step
+    p = make_problem([1, -1, 2, 1, 0], [70, 3, 20, 20, 1], [8, 16, 4], SLICES["three"], hidden=40)
+    check_triton_vs_reference(p)
+
+
+@needs_triton
+def test_triton_expand_leaves_untouched_rows_bit_identical() -> None:
+    # h is NaN everywhere but the LoRA positions' valid entries, and out's other rows hold
+    # -0.0: a row that read h, or was rewritten even as out + 0.0, would change
+    from lora.kernels import sgmv
+
+    p = make_problem([-1, 0, -1], [3, 4, 2], [8], (24, 8), dtype=torch.float16, extra_rows=2, extra_segments=1)
+    p.out[:3, ::2] = -0.0
+    p.out[7:, ::2] = -0.0
+    h = torch.full((2, p.row_ids.shape[0], 2 * p.max_rank), float("nan"), device=p.x.device)
+    h[:, :4, :8] = 0.5
+    h[:, :4, p.max_rank:p.max_rank + 8] = 0.5
+    out0 = p.out.clone()
+    p.expand(h, p.out, sgmv.sgmv_expand)
     assert same_bits(p.out[:3], out0[:3]) and same_bits(p.out[7:], out0[7:])
     assert not torch.equal(p.out[3:7], out0[3:7]) and not p.out.isnan().any()
 
@@ -327,12 +364,12 @@ def test_triton_expand_leaves_base_rows_bit_identical() -> None:
 def test_cpu_tensors_take_the_reference_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "enabled", None)
     assert not ops.use_triton(torch.zeros(1)) and ops.use_triton(torch.zeros(1, device=DEVICE)) == ON_GPU
-    p = random_problem(SLICES["two"], seed=6, device="cpu")
-    h = ops.sgmv_shrink(*p.shrink_args(), **p.shrink_kwargs())
-    assert torch.equal(h, ops.shrink_reference(*p.shrink_args(), **p.shrink_kwargs()))  # zeros: the reference
+    p = random_problem(SLICES["two"], seed=9, device="cpu")
+    h = p.shrink()
+    assert torch.equal(h, p.shrink(ops.shrink_reference))  # zeros where unwritten: the reference
     out = p.out.clone()
-    ops.sgmv_expand(h, p.lora_b, out, p.seg_indptr, p.seg_slots, p.slot_ranks, **p.expand_kwargs())
-    ops.expand_reference(h, p.lora_b, p.out, p.seg_indptr, p.seg_slots, p.slot_ranks, **p.expand_kwargs())
+    p.expand(h, out)
+    p.expand(h, p.out, ops.expand_reference)
     assert torch.equal(out, p.out)
 
 
@@ -349,33 +386,33 @@ def test_dispatch_to_triton_when_enabled(triton_on: None, monkeypatch: pytest.Mo
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(sgmv, name, counted)
-    p = random_problem(SLICES["three"], seed=7)
-    expected = naive_expand(p, naive_shrink(p))  # [T, N_out] float64
-    h = ops.sgmv_shrink(*p.shrink_args(), **p.shrink_kwargs())
-    ops.sgmv_expand(h, p.lora_b, p.out, p.seg_indptr, p.seg_slots, p.slot_ranks, **p.expand_kwargs())
+    p = random_problem(SLICES["three"], seed=10)
+    expected = naive_expand(p, naive_shrink(p))  # [T, N_out] float64, on the CPU
+    p.expand(p.shrink(), p.out)
     assert calls == ["sgmv_shrink", "sgmv_expand"]
-    torch.testing.assert_close(p.out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p.out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_rejects_bad_arguments() -> None:
-    p = make_problem([2, 3], [0, -1], [4], (8, 8), device="cpu")
-    h = torch.zeros(5, 2 * p.max_rank)
+    p = make_problem([0, -1], [2, 3], [4], (8, 8), device="cpu")
+    h = torch.zeros(1, 2, 2 * p.max_rank)
 
     def shrink(**changes: object) -> None:
-        args = dict(x=p.x, weights=p.lora_a, seg_indptr=p.seg_indptr, seg_slots=p.seg_slots,
+        args = dict(x=p.x, weights=p.lora_a, row_ids=p.row_ids, seg_indptr=p.seg_indptr, seg_slots=p.seg_slots,
                     slot_ranks=p.slot_ranks) | changes
-        ops.sgmv_shrink(*args.values(), **p.shrink_kwargs())  # type: ignore[arg-type]
+        ops.sgmv_shrink(*args.values(), num_slices=2, max_rank=p.max_rank)  # type: ignore[arg-type]
 
     def expand(slice_offsets: tuple[int, ...] = p.slice_offsets, **changes: object) -> None:
-        args = dict(h=h, weights=p.lora_b, out=p.out, seg_indptr=p.seg_indptr, seg_slots=p.seg_slots,
-                    slot_ranks=p.slot_ranks) | changes
-        ops.sgmv_expand(*args.values(), slice_offsets=slice_offsets, max_rank=p.max_rank,  # type: ignore[arg-type]
-                        max_seg_len=p.max_seg_len)
+        args = dict(h=h, weights=p.lora_b, out=p.out, row_ids=p.row_ids, seg_indptr=p.seg_indptr,
+                    seg_slots=p.seg_slots, slot_ranks=p.slot_ranks) | changes
+        ops.sgmv_expand(*args.values(), slice_offsets=slice_offsets, max_rank=p.max_rank)  # type: ignore[arg-type]
 
+    with pytest.raises(ValueError, match="row_ids"):
+        shrink(row_ids=p.row_ids.long())
     with pytest.raises(ValueError, match="seg_indptr"):
         shrink(seg_indptr=p.seg_indptr.long())
     with pytest.raises(ValueError, match="seg_"):
-        shrink(seg_slots=p.seg_slots[:1])
+        shrink(seg_slots=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="slot_ranks"):
         shrink(slot_ranks=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="weights"):
@@ -389,71 +426,93 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="slices"):
         expand(slice_offsets=(0, 1, 2, 3, 4, 16))
     with pytest.raises(ValueError, match="h must be"):
-        expand(h=torch.zeros(5, p.max_rank))
-    with pytest.raises(ValueError, match="max_seg_len"):
-        ops.sgmv_shrink(*p.shrink_args(), num_slices=2, max_rank=p.max_rank, max_seg_len=-1)
+        expand(h=torch.zeros(1, 3, 2 * p.max_rank))  # R must match row_ids
+    with pytest.raises(ValueError, match="h must be"):
+        expand(h=h.half())  # h is shrink's fp32 partials
+    with pytest.raises(ValueError, match="h must be"):
+        expand(h=h[0])  # with its split dim
+    with pytest.raises(ValueError, match="h must be"):
+        expand(h=torch.zeros(1, 4, 2 * p.max_rank)[:, ::2])  # rows not dense
 
 
 @pytest.mark.parametrize("use_kernels", [False, True] if HAS_TRITON else [False], ids=["reference", "triton"])
-def test_empty_batches(use_kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batches_without_lora_rows(use_kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "enabled", use_kernels)
-    for seg_lens, slots in (([], []), ([0, 0], [0, -1]), ([2], [-1])):
-        p = make_problem(seg_lens, slots, [4], (8,))
-        h = ops.sgmv_shrink(*p.shrink_args(), **p.shrink_kwargs())
-        assert h.shape == (sum(seg_lens), p.max_rank)
+    cases = (([], [], 0, 0), ([-1, -1], [2, 1], 0, 0), ([-1], [2], 2, 2), ([0, 1], [0, 0], 1, 1), ([0], [2], 0, 0))
+    for slots, lens, extra_rows, extra_segments in cases:
+        ranks = [0] if slots == [0] else [4, 4]  # the last case: a slot of rank 0 (cleared)
+        p = make_problem(slots, lens, ranks, (8,), extra_rows=extra_rows, extra_segments=extra_segments)
+        h = p.shrink()
+        assert h.shape[1:] == (p.row_ids.shape[0], p.max_rank)
         out0 = p.out.clone()
-        ops.sgmv_expand(h, p.lora_b, p.out, p.seg_indptr, p.seg_slots, p.slot_ranks, **p.expand_kwargs())
-        assert torch.equal(p.out, out0)
+        p.expand(h, p.out)
+        assert same_bits(p.out, out0)
+
+
+# -------------------------------------------------------------------------------- tiling
+
+
+@pytest.mark.parametrize("num_slices,hidden", [(3, 4096), (1, 4096), (2, 4096), (1, 14336)],
+                         ids=["qkv", "o", "gate_up", "down"])
+def test_tiling_spreads_decode_and_splits_only_what_needs_it(num_slices: int, hidden: int) -> None:
+    for rows, segments in ((1, 1), (16, 8), (256, 8), (512, 1), (4096, 4)):
+        t = tiling.shrink_tiling(rows, segments, hidden, num_slices, 16, 2)
+        assert t.k_per_split % t.block_k == 0 and (t.split_k - 1) * t.k_per_split < hidden <= t.split_k * t.k_per_split
+        assert t.split_k * min(rows, t.block_m) * 16 * 4 <= tiling.PARTIALS_BYTES_PER_TILE
+        programs = tiling.cdiv(rows, t.block_m) * tiling.cdiv(num_slices * 16, t.block_n) * t.split_k
+        if rows == 1:  # batch-1 decode: each program a step or two of K, not a serial walk over it
+            assert t.split_k >= 32 and t.k_per_split <= 2 * t.block_k and programs >= 48
+        if rows >= 4096:
+            assert t.split_k == 1
+    assert tiling.shrink_tiling(1, 1, 4096, 3, 16, 2).split_k * 3 >= 128  # qkv at batch 1 fills the SMs
+    assert tiling.expand_tiling(1, 1, (4096, 1024, 1024), 16, 64).block_n <= 64  # >= 96 programs
 
 
 # ---------------------------------------------------------------------- GPU only (H200)
 
 
 @needs_cuda
-@pytest.mark.parametrize("split", [False, True], ids=["mixed", "split"])
-def test_realistic_shape_bf16_gpu(split: bool) -> None:
-    # Llama-3-8B qkv (4096 -> 4096 + 1024 + 1024), rank 16, 8 slots; 64 decode tokens (one
-    # segment each) and a 512-token prefill, in one call (blocks sized by the prefill) or
-    # split into a decode call and a prefill call (each with its own blocks).
+@pytest.mark.parametrize("batch", ["mixed", "decode256"])
+def test_realistic_shape_bf16_gpu(batch: str) -> None:
+    # Llama-3-8B qkv (4096 -> 4096 + 1024 + 1024), rank 16, 8 slots: 64 decode requests
+    # (some base) and a 512-token prefill in one call, or a decode batch of 256 padded like a graph
     g = torch.Generator().manual_seed(11)
-    decode_slots = torch.randint(-1, 8, (64,), generator=g).tolist()
-    p = make_problem([1] * 64 + [512], decode_slots + [3], [16] * 8, (4096, 1024, 1024), hidden=4096,
-                     dtype=torch.bfloat16)
-    if not split:
-        check_triton_vs_reference(p)
-        return
-    for lo, hi in ((0, 64), (64, 65)):
-        start, end = int(p.seg_indptr[lo]), int(p.seg_indptr[hi])
-        part = Problem(x=p.x[start:end], lora_a=p.lora_a, lora_b=p.lora_b, out=p.out[start:end].clone(),
-                       seg_indptr=p.seg_indptr[lo:hi + 1] - start, seg_slots=p.seg_slots[lo:hi],
-                       slot_ranks=p.slot_ranks, slice_offsets=p.slice_offsets, max_rank=16,
-                       max_seg_len=1 if hi == 64 else 512)
-        check_triton_vs_reference(part)
+    if batch == "mixed":
+        slots = torch.randint(-1, 8, (65,), generator=g).tolist()
+        lens = [1] * 64 + [512]
+    else:
+        slots, lens = torch.randint(-1, 8, (256,), generator=g).tolist(), [1] * 256
+    p = make_problem(slots, lens, [16] * 8, (4096, 1024, 1024), hidden=4096, dtype=torch.bfloat16,
+                     extra_segments=1, extra_rows=3)
+    check_triton_vs_reference(p)
 
 
 @needs_cuda
-def test_cuda_graph_replay_with_new_segments() -> None:
-    # Captured once, replayed after the segment tensors change in place (same shapes):
-    # nothing on the host depends on device values.
+@pytest.mark.parametrize("num_requests", [1, 16])
+def test_cuda_graph_replay_with_new_segments(num_requests: int) -> None:
+    # Captured once with a plan padded to fixed sizes, replayed after the plan's contents
+    # change in place (other slots, fewer LoRA rows): nothing on the host depends on them.
     from lora.kernels import sgmv
 
-    p = make_problem([1] * 8, [0, 1, -1, 2, 0, 3, 1, -1], [16, 8, 16, 4], (256, 64, 64), hidden=256,
-                     dtype=torch.bfloat16)
+    ranks = [16, 8, 16, 4]
+    first = [0, 1, -1, 2] * (num_requests // 4) if num_requests > 1 else [1]
+    second = [3, -1, 0, 0] * (num_requests // 4) if num_requests > 1 else [-1]
+    kw = dict(extra_rows=sum(s < 0 for s in first), extra_segments=len(ranks), hidden=4096, dtype=torch.bfloat16)
+    p = make_problem(first, [1] * num_requests, ranks, (4096, 1024, 1024), **kw)
     out = p.out.clone()
-    kwargs = dict(max_rank=p.max_rank, max_seg_len=1)
-    sgmv.sgmv_shrink(*p.shrink_args(), num_slices=3, **kwargs)  # compile outside the capture
-    sgmv.sgmv_expand(p.h_valid().to(p.x.dtype), p.lora_b, out.clone(), p.seg_indptr, p.seg_slots, p.slot_ranks,
-                     slice_offsets=p.slice_offsets, **kwargs)
+    p.expand(p.shrink(sgmv.sgmv_shrink), out.clone(), sgmv.sgmv_expand)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        h = sgmv.sgmv_shrink(*p.shrink_args(), num_slices=3, **kwargs)
-        sgmv.sgmv_expand(h, p.lora_b, out, p.seg_indptr, p.seg_slots, p.slot_ranks,
-                         slice_offsets=p.slice_offsets, **kwargs)
-    p.seg_slots.copy_(torch.tensor([3, -1, 0, 0, 2, 1, -1, 1], dtype=torch.int32))
-    out.copy_(p.out)
-    graph.replay()
-    expected = p.out.clone()
-    h_ref = ops.shrink_reference(*p.shrink_args(), num_slices=3, **kwargs)
-    ops.expand_reference(h_ref, p.lora_b, expected, p.seg_indptr, p.seg_slots, p.slot_ranks,
-                         slice_offsets=p.slice_offsets, **kwargs)
-    torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])
+        p.expand(p.shrink(sgmv.sgmv_shrink), out, sgmv.sgmv_expand)
+    for slots in (second, first):
+        plan = plan_segments(slots, [1] * num_requests, num_rows=p.row_ids.shape[0],
+                             num_segments=p.seg_slots.shape[0])
+        for dst, src in zip((p.row_ids, p.seg_indptr, p.seg_slots), (plan.row_ids, plan.seg_indptr, plan.seg_slots)):
+            dst.copy_(torch.from_numpy(src))
+        out.copy_(p.out)
+        graph.replay()
+        expected = p.out.clone()
+        p.expand(p.shrink(ops.shrink_reference), expected, ops.expand_reference)
+        torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])
+        untouched = p.untouched_rows()
+        assert same_bits(out[untouched], p.out[untouched])
