@@ -12,27 +12,15 @@ may be replaced, is LoraManager's business (manager.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from lora.layout import HF_TO_ENGINE, ModuleShape, engine_modules_for, module_shapes
 from lora.ops import sgmv_expand, sgmv_shrink
 from rollout.model.config import ModelConfig
+from rollout.model.forward_batch import LoraInputs
 
 # (layer, HF module name) -> (lora_A [rank, in], lora_B * scaling [out, rank]), model dtype
 EngineAdapter = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class LoraBatch:
-    """One step's adapters: segment g (rows seg_indptr[g]:seg_indptr[g+1], one request) runs
-    under slot seg_slots[g] (-1: base model)."""
-
-    seg_indptr: torch.Tensor  # [B+1] int32, device
-    seg_slots: torch.Tensor  # [B] int32, device
-    max_seg_len: int  # host: >= the longest segment (sizes the kernels' grid)
-    active: bool  # host: does any request use an adapter (eager steps skip the ops when not)
 
 
 class LoraPool:
@@ -49,7 +37,7 @@ class LoraPool:
                 self.a[layer, name] = torch.zeros(num_slots, s.num_slices * max_rank, s.in_features, dtype=dtype, device=device)
                 self.b[layer, name] = torch.zeros(num_slots, s.out_features, max_rank, dtype=dtype, device=device)
         self.slot_ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.batch: LoraBatch | None = None
+        self.batch: LoraInputs | None = None  # the next forward's segments; None: no adapter runs
         # (slot, layer, module, rank) -> views: an update writes hundreds of tensors, and
         # slicing them anew each time costs more host time than the copies themselves
         self._view_cache: dict[tuple[int, int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -121,9 +109,10 @@ class LoraPool:
         self.slot_ranks[slot] = 0
 
     # ---- one step ---------------------------------------------------------------------
-    def plan(self, seg_indptr: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int, active: bool) -> None:
-        """The next forward's adapters (a CUDA graph capture plans its static buffers here)."""
-        self.batch = LoraBatch(seg_indptr, seg_slots, max_seg_len, active)
+    def plan(self, inputs: LoraInputs | None, active: bool) -> None:
+        """The next forward's adapters (a CUDA graph capture plans its static buffers here);
+        inactive: the projections skip the adapter ops altogether."""
+        self.batch = inputs if active else None
 
     def hook(self, layer: int, module: str) -> LoraHook | None:
         return LoraHook(self, layer, module) if module in self.shapes else None
@@ -142,10 +131,10 @@ class LoraHook:
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         # x: [T, in], out: [T, out] (the base projection's result, updated in place)
         batch = self.pool.batch
-        if batch is None or not batch.active:
+        if batch is None:
             return
         pool = self.pool
-        h = sgmv_shrink(x, self.a, batch.seg_indptr, batch.seg_slots, pool.slot_ranks,
-                        num_slices=self.num_slices, max_rank=pool.max_rank, max_seg_len=batch.max_seg_len)
-        sgmv_expand(h, self.b, out, batch.seg_indptr, batch.seg_slots, pool.slot_ranks,
-                    slice_offsets=self.slice_offsets, max_rank=pool.max_rank, max_seg_len=batch.max_seg_len)
+        h = sgmv_shrink(x, self.a, batch.row_ids, batch.seg_indptr, batch.seg_slots, pool.slot_ranks,
+                        num_slices=self.num_slices, max_rank=pool.max_rank)
+        sgmv_expand(h, self.b, out, batch.row_ids, batch.seg_indptr, batch.seg_slots, pool.slot_ranks,
+                    slice_offsets=self.slice_offsets, max_rank=pool.max_rank)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.model.forward_batch import ForwardBatch
+from rollout.model.forward_batch import ForwardBatch, LoraInputs
 from rollout.model.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -46,10 +46,14 @@ class DecodeGraphs:
         self.kv_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)
         self.kv_indices = torch.zeros(max_bs * max_context, dtype=torch.int32, **kw)
         self._pad_indptr = torch.arange(1, max_bs + 1, dtype=torch.int32, **kw)
-        # LoRA: each row's adapter slot (padding rows -1, the base model). The ops are captured
-        # in every graph, so a replay serves any mix of adapters; base rows exit at once.
+        # LoRA: the rows of each adapter slot (lora/segments.py), in static buffers sized for
+        # max_bs rows and one segment per slot, so a replay serves any mix of adapters.
         self.lora = lora
-        self.lora_slots = torch.full((max_bs,), -1, dtype=torch.int32, **kw)
+        if lora is not None:
+            s = lora.num_slots
+            self.lora_row_ids = torch.zeros(max_bs, dtype=torch.int32, **kw)
+            self.lora_seg_indptr = torch.zeros(s + 1, dtype=torch.int32, **kw)  # all segments empty until planned
+            self.lora_seg_slots = torch.full((s,), -1, dtype=torch.int32, **kw)
         self._qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)  # one token per row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -77,7 +81,9 @@ class DecodeGraphs:
         """Fix what the captured kernels read: the backend's metadata and the LoRA inputs."""
         self.backend.plan_capture(fb, self.max_context)
         if self.lora is not None:
-            self.lora.plan(fb.qo_indptr, self.lora_slots[: fb.batch_size], 1, with_lora)
+            static = LoraInputs(self.lora_row_ids[: fb.batch_size], self.lora_seg_indptr, self.lora_seg_slots,
+                                fb.batch_size)
+            self.lora.plan(static, with_lora)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -116,8 +122,11 @@ class DecodeGraphs:
         self.out_cache_loc[:b].copy_(fb.out_cache_loc)
         self.kv_indptr[: b + 1].copy_(fb.kv_indptr)
         self.kv_indices[:nnz].copy_(fb.kv_indices)
-        if self.lora is not None:
-            self.lora_slots[:b].copy_(fb.lora_slots)  # type: ignore[arg-type]
+        if fb.lora_active:  # rows past b in the static row_ids are padding no segment reads
+            lora = fb.lora
+            self.lora_row_ids[:b].copy_(lora.row_ids[:b])  # type: ignore[union-attr]
+            self.lora_seg_indptr.copy_(lora.seg_indptr)  # type: ignore[union-attr]
+            self.lora_seg_slots.copy_(lora.seg_slots)  # type: ignore[union-attr]
         if bs > b:  # padding rows: token 0 at position 0, one KV entry at slot 0
             pad = bs - b
             self.input_ids[b:bs].zero_()
@@ -125,7 +134,6 @@ class DecodeGraphs:
             self.out_cache_loc[b:bs].zero_()
             self.kv_indptr[b + 1 : bs + 1].copy_(self._pad_indptr[:pad] + nnz)
             self.kv_indices[nnz : nnz + pad].zero_()
-            self.lora_slots[b:bs].fill_(-1)
         self.backend.plan_replay(fb, bs)
         graphs, logits = (self.lora_graphs, self.lora_logits) if fb.lora_active else (self.graphs, self.logits)
         graphs[bs].replay()

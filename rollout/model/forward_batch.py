@@ -25,11 +25,27 @@ class ForwardBatch:
     extend_lens: list[int]
     seq_lens: list[int]  # KV length of each request after this step
     num_decode: int
-    # LoRA (None when the engine has no adapters enabled): each request's adapter slot (-1:
-    # base model), one segment per request (rows qo_indptr[b]:qo_indptr[b+1]).
-    lora_slots: torch.Tensor | None = None  # [B] int32
-    lora_active: bool = False  # host: any request on an adapter
+    # LoRA (None when the engine has no adapters enabled): which token rows run which
+    # adapter slot, grouped by slot (lora/segments.py).
+    lora: LoraInputs | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def lora_active(self) -> bool:
+        """Does any token of this step run an adapter (host-side, no sync)."""
+        return self.lora is not None and self.lora.num_lora_rows > 0
+
+
+@dataclass
+class LoraInputs:
+    """A step's LoRA segments on the device: rows row_ids[seg_indptr[g]:seg_indptr[g+1]] run
+    slot seg_slots[g]. Padded to T rows and one segment per slot, so shapes depend only on
+    the batch (CUDA-graph static buffers)."""
+
+    row_ids: torch.Tensor  # [T] int32
+    seg_indptr: torch.Tensor  # [S+1] int32
+    seg_slots: torch.Tensor  # [S] int32
+    num_lora_rows: int  # host: rows that run an adapter (row_ids past it are padding)

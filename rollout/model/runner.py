@@ -15,7 +15,8 @@ import torch
 from rollout.attention.base import AttentionBackend
 from rollout.device import to_device
 from rollout.model.cuda_graph import DecodeGraphs
-from rollout.model.forward_batch import ForwardBatch
+from lora.segments import plan_segments
+from rollout.model.forward_batch import ForwardBatch, LoraInputs
 from rollout.model.llama import LlamaModel
 from rollout.scheduler import ScheduledBatch
 
@@ -104,10 +105,7 @@ class ModelRunner:
         def to_dev(t: torch.Tensor) -> torch.Tensor:
             return to_device(t, dev)
 
-        lora_slots, lora_active = None, False
-        if self.lora is not None:
-            slots = [r.lora_slot for r in batch.reqs]
-            lora_slots, lora_active = to_dev(torch.tensor(slots, dtype=torch.int32)), max(slots) >= 0
+        lora = self._lora_inputs(batch, len(input_ids)) if self.lora is not None else None
         input_ids = to_dev(input_ids)
         if inflight:  # tokens sampled last step, not yet seen by the host
             at, rows = torch.tensor(inflight, dtype=torch.int64).T
@@ -123,9 +121,17 @@ class ModelRunner:
             extend_lens=list(batch.extend_lens),
             seq_lens=seq_lens,
             num_decode=batch.num_decode,
-            lora_slots=lora_slots,
-            lora_active=lora_active,
+            lora=lora,
         )
+
+    def _lora_inputs(self, batch: ScheduledBatch, num_tokens: int) -> LoraInputs:
+        """The step's rows grouped by adapter slot, shipped in one host-to-device copy."""
+        assert self.lora is not None
+        plan = plan_segments([r.lora_slot for r in batch.reqs], batch.extend_lens, num_rows=num_tokens,
+                             num_segments=self.lora.num_slots)
+        packed = to_device(torch.from_numpy(np.concatenate([plan.row_ids, plan.seg_indptr, plan.seg_slots])), self.device)
+        t, s = num_tokens, self.lora.num_slots
+        return LoraInputs(packed[:t], packed[t : t + s + 1], packed[t + s + 1 :], plan.num_lora_rows)
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
         """Remember each row's newest sampled token on the device."""
@@ -139,6 +145,6 @@ class ModelRunner:
             return self.graphs.replay(fb)
         self.backend.plan(fb)
         if self.lora is not None:
-            self.lora.plan(fb.qo_indptr, fb.lora_slots, max(fb.extend_lens), fb.lora_active)  # type: ignore[arg-type]
+            self.lora.plan(fb.lora, fb.lora_active)
         hidden = self.model(fb.input_ids, fb.positions, self.backend)
         return self.model.logits(hidden[fb.logits_indices])  # [R, vocab] float32
