@@ -25,7 +25,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+# Before torch loads OpenMP: idle intra-op workers sleep instead of spinning. On 2 cores
+# with one other busy process, spinning workers made a demo step 92 s instead of 14-16 s
+# (measured); on a lightly loaded machine sleeping costs ~5-10% a step (within the noise
+# of those runs). Set OMP_WAIT_POLICY yourself to choose otherwise.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
