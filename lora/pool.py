@@ -26,6 +26,8 @@ EngineAdapter = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 class LoraPool:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, targets: tuple[str, ...],
                  dtype: torch.dtype, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # "cuda" -> "cuda:N", so device checks compare equal
+            device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, device
         shapes = module_shapes(cfg)
         self.shapes: dict[str, ModuleShape] = {m: shapes[m] for m in engine_modules_for(targets)}
