@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rollout.distributed.launch_args import DTYPES, finite_float, int_at_least  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -43,26 +43,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(qwen06b, llama8b, tiny) with random weights")
     p.add_argument("--task", choices=("auto", "arithmetic", "even-tokens"), default="auto",
                    help="auto: arithmetic when the checkpoint has a tokenizer, else even-tokens (token-level)")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step, over all ranks")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (the group size n)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per rollout batch")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="samples per forward/backward; 0: all")
+    p.add_argument("--steps", type=int_at_least(1), default=12)
+    p.add_argument("--prompts", type=int_at_least(1), default=8, help="prompts per step, over all ranks")
+    p.add_argument("--samples", type=int_at_least(1), default=8, help="samples per prompt (the group size n)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=8)
+    p.add_argument("--temperature", type=finite_float(0.0), default=0.7)
+    p.add_argument("--lr", type=finite_float(0.0), default=1e-5)
+    p.add_argument("--max-grad-norm", type=finite_float(0.0, above=True), default=1.0)
+    p.add_argument("--mini-batches", type=int_at_least(1), default=1, help="optimizer steps per rollout batch")
+    p.add_argument("--micro-batch-size", type=int_at_least(0), default=0, help="samples per forward/backward; 0: all")
     p.add_argument("--layout", choices=("packed", "rows"), default="packed",
                    help="trainer input: a group's prompt once (packed) or a row per sample")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon (low)")
-    p.add_argument("--clip-high", type=float, default=None, help="upper clip epsilon (default: --clip)")
-    p.add_argument("--tis-cap", type=float, default=2.0, help="truncate the IS ratio at this; <= 0 turns TIS off")
+    p.add_argument("--clip", type=finite_float(0.0), default=0.2, help="PPO clip epsilon (low)")
+    p.add_argument("--clip-high", type=finite_float(0.0), default=None, help="upper clip epsilon (default: --clip)")
+    p.add_argument("--tis-cap", type=finite_float(), default=2.0, help="truncate the IS ratio at this; <= 0 turns TIS off")
     p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter instead of every weight")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--lora-rank", type=int_at_least(1), default=16)
+    p.add_argument("--lora-alpha", type=finite_float(0.0, above=True), default=32.0)
     p.add_argument("--sync", choices=("auto", "adapter", "full"), default="auto",
                    help="auto: LoRA-only sync for --lora, every weight otherwise")
-    p.add_argument("--max-operand", type=int, default=9, help="arithmetic: operands in 1..N")
+    p.add_argument("--max-operand", type=int_at_least(1), default=9, help="arithmetic: operands in 1..N")
     p.add_argument("--system-prompt", default="Answer briefly.",
                    help="arithmetic: the system turn ('default': the chat template's own, longer)")
     p.add_argument("--seed", type=int, default=0)
@@ -71,12 +71,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default=None,
                    help="default: $WANDB_MODE, else offline")
     p.add_argument("--wandb-project", default="rollout-grpo")
-    p.add_argument("--samples-every", type=int, default=5, help="a samples table every K steps (and step 1)")
+    p.add_argument("--samples-every", type=int_at_least(1), default=5, help="a samples table every K steps (and step 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: each rank uses cuda:LOCAL_RANK")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--kv-memory-fraction", type=finite_float(0.0, 1.0, above=True), default=0.3,
+                   help="GPU: share of the memory left after the engine's weights that its KV cache takes; "
+                        "the trainer (colocated) needs the rest for its weights, optimizer and activations")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on cuda, else gloo")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout under torchrun")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per process on CPU")
+    p.add_argument("--timeout-s", type=finite_float(0.0, above=True), default=300.0, help="collective timeout under torchrun")
+    p.add_argument("--num-threads", type=int_at_least(1), default=None, help="torch threads per process on CPU")
     return p.parse_args(argv)
 
 
@@ -119,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     with world.phase("build engine and policy"):
         engine = Engine(EngineConfig(model=model_dir, dtype=args.dtype, device=str(device), page_size=16,
                                      seed=args.seed, enable_lora=adapter_sync, max_loras_per_batch=1,
+                                     gpu_memory_fraction=args.kv_memory_fraction,
                                      max_lora_rank=args.lora_rank, load_format="dummy" if random_weights else "auto"))
         policy = load_policy(model_dir, dtype=DTYPES[args.dtype], device=device, lora=lora,
                              random_seed=args.seed if random_weights else None)

@@ -22,6 +22,10 @@ import pytest
         ("launch_disagg.py", ["--steps", "0"], "argument --steps: must be >= 1"),
         ("launch_disagg.py", ["--trainer-ranks", "-1"], "argument --trainer-ranks: must be >= 1"),
         ("launch_disagg.py", ["--sync-port", "-5"], "argument --sync-port: must be >= 0"),
+        ("grpo.py", ["--lr", "inf"], "argument --lr: must be finite"),
+        ("grpo.py", ["--samples", "0"], "argument --samples: must be >= 1"),
+        ("grpo.py", ["--kv-memory-fraction", "1.5"], "argument --kv-memory-fraction: must be <= 1.0"),
+        ("grpo.py", ["--max-grad-norm", "0"], "argument --max-grad-norm: must be > 0.0"),
     ],
 )
 def test_bad_launcher_arguments_name_the_flag(script: str, args: list[str], message: str, capsys) -> None:
