@@ -111,7 +111,7 @@ class GRPOTrainer:
         self.device = next(policy.parameters()).device
         self.sync = make_sync(engine, self.model, sync) if isinstance(sync, str) else sync
         if initial_sync:
-            self.sync.push()
+            self.sync.push_all()
         # Both sides now hold the same weights; from here on the trainer's version is the
         # engine's version (of the base weights, or of the adapter) after the last sync.
         self.version = self.sync.version

@@ -94,6 +94,11 @@ class WeightSync(Protocol):
 
     def push(self) -> SyncResult: ...
 
+    def push_all(self) -> SyncResult:
+        """Everything the engine needs to serve the policy, for an engine that loaded other
+        weights (random benchmark weights, another checkpoint)."""
+        ...
+
     def token_versions(self, output: RolloutOutput) -> list[int]: ...
 
 
@@ -111,6 +116,8 @@ class FullSync:
         start = time.perf_counter()
         version = self.engine.update_weights(iter_hf_weights(self.model))
         return SyncResult(version, time.perf_counter() - start)
+
+    push_all = push
 
     def token_versions(self, output: RolloutOutput) -> list[int]:
         return versions_from_spans(output.weight_versions, output.weight_version, len(output.token_ids))
@@ -134,6 +141,14 @@ class AdapterSync:
         self._version = self.engine.update_lora_adapter(self.lora_name, iter_hf_weights(self.model, adapter_only=True))
         return SyncResult(self._version, time.perf_counter() - start)
 
+    def push_all(self) -> SyncResult:
+        """The base weights (adapters disabled: the walk yields them unmerged), then the adapter."""
+        start = time.perf_counter()
+        with _unwrap(self.model).disable_adapter():
+            self.engine.update_weights(iter_hf_weights(self.model))
+        version = self.push().version
+        return SyncResult(version, time.perf_counter() - start)
+
     def token_versions(self, output: RolloutOutput) -> list[int]:
         return versions_from_spans(output.lora_versions, self._version, len(output.token_ids))
 
@@ -146,3 +161,8 @@ def make_sync(engine: Any, model: nn.Module, mode: str = "auto") -> WeightSync:
     if mode == "adapter" and not lora_ready:
         raise ValueError("adapter sync needs a PEFT policy and an engine with EngineConfig(enable_lora=True)")
     return AdapterSync(engine, model) if mode == "adapter" or (mode == "auto" and lora_ready) else FullSync(engine, model)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The PeftModel under a DDP wrapper (disable_adapter is the PeftModel's)."""
+    return model.module if hasattr(model, "module") and not hasattr(model, "disable_adapter") else model
