@@ -164,6 +164,10 @@ class LoraWeights:
     # tensor name -> (layer, module, "A"|"B") for names seen in earlier updates: a trainer
     # pushes the same few hundred names every step, and parsing them costs more than copying
     name_index: dict[str, tuple[int, str, str]] = field(default_factory=dict, repr=False)
+    # the last update's names in order, with their keys and shapes: the next update with the
+    # same names checks its shapes against this in one comparison instead of name by name
+    last_update: tuple[tuple[str, ...], list[tuple[int, str, str]], list[torch.Size]] | None = field(
+        default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -261,10 +265,27 @@ def plan_adapter_update(weights: LoraWeights,
     floating dtype (cast on write) and finite values, each at most once. A partial update
     (any subset of the adapter's tensors) is allowed: the rest keep their values. Rank,
     alpha and target modules cannot change: load the adapter anew for that."""
+    items = _items(named_tensors)
+    names = tuple(name for name, _ in items)
+    tensors = [tensor for _, tensor in items]
+    last = weights.last_update
+    if (last is not None and names == last[0] and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+            and [t.shape for t in tensors] == last[2]):
+        # the same names as last time (a trainer's every step), all with the loaded shapes
+        writes = [AdapterWrite(name, layer, module, which, tensor, weights.modules[layer, module][which == "B"])
+                  for name, (layer, module, which), tensor in zip(names, last[1], tensors)]
+    else:
+        writes = _plan_by_name(weights, items, model)
+        weights.last_update = (names, [(w.layer, w.module, w.which) for w in writes], [w.tensor.shape for w in writes])
+    _check_finite([(w.name, w.tensor) for w in writes])
+    return writes
+
+
+def _plan_by_name(weights: LoraWeights, items: list[tuple[str, Any]], model: ModelConfig) -> list[AdapterWrite]:
     writes: list[AdapterWrite] = []
     seen: dict[tuple[int, str, str], str] = {}
     index = weights.name_index
-    for name, tensor in _items(named_tensors):
+    for name, tensor in items:
         parsed = index.get(name) if isinstance(name, str) else None
         if parsed is None:
             parsed = _parse_name(name, model)
@@ -281,7 +302,6 @@ def plan_adapter_update(weights: LoraWeights,
         seen[layer, module, which] = name
         index[name] = parsed
         writes.append(AdapterWrite(name, layer, module, which, tensor, target))
-    _check_finite([(w.name, w.tensor) for w in writes])
     return writes
 
 

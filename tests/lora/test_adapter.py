@@ -313,11 +313,17 @@ def test_update_full_and_partial(saved, mc):
         (torch.zeros(4, 63), r"shape \(4, 63\) does not match the loaded lora_A \(4, 64\)"),
     ],
 )
-def test_update_is_atomic(saved, mc, bad, message):
+@pytest.mark.parametrize("repeated", [False, True], ids=["first", "repeated"])
+def test_update_is_atomic(saved, mc, bad, message, repeated):
+    """Refused whole, also when the same names came in a good update just before (a
+    trainer's every step: the repeated-names fast path must check shapes and values too)."""
     state, weights = _loaded(saved, mc)
-    before = [(n, t.clone()) for n, t in weights.named_tensors()]
     last = f"{PREFIX}.1.self_attn.v_proj.lora_A.weight"
-    update = [(n, torch.randn_like(t)) for n, t in state.items() if n != last] + [(last, bad)]
+    names = [n for n in state if n != last] + [last]
+    if repeated:
+        apply_adapter_update(plan_adapter_update(weights, [(n, torch.randn_like(state[n])) for n in names], mc))
+    before = [(n, t.clone()) for n, t in weights.named_tensors()]
+    update = [(n, torch.randn_like(state[n])) for n in names[:-1]] + [(last, bad)]
     with pytest.raises(ValueError, match=message):
         plan_adapter_update(weights, update, mc)
     assert all(torch.equal(t, dict(weights.named_tensors())[n]) for n, t in before)
