@@ -96,28 +96,23 @@ def gpu(args) -> None:
         label = "LoRA on" if lora else "no LoRA"
         # Each row runs twice and times the second: the first compiles the SGMV kernel variants
         # its prefill shapes pick (once per process in real use; decode graphs are captured).
-        if "a" in args.workloads:
-            work = prompts(256, 512, ord("a"))
-            variants = [("base requests", None)] + ([("8 adapters, uniform", [names[i % 8] for i in range(256)])] if lora else [])
+        rows = {
+            "a": (prompts(256, 512, ord("a")), [("base requests", None)]
+                  + ([("8 adapters, uniform", [names[i % 8] for i in range(256)])] if lora else [])),
+            "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
+        }
+        for workload in ("a", "b"):
+            if workload not in args.workloads:
+                continue
+            work, variants = rows[workload]
             for what, lora_names in variants:
                 engine.flush_cache()
                 timed(engine, work, greedy(8), lora_names)
                 engine.flush_cache()
                 secs, toks = timed(engine, work, greedy(256), lora_names)
-                key = f"a [{label}] {what}"
+                key = f"{workload} [{label}] {what}"
                 results[key] = toks / secs
-                print(f"{key}: {toks / secs:.0f} tok/s ({secs:.2f} s)", flush=True)
-        if "b" in args.workloads:
-            work = prompts(1, 128, ord("b"))
-            variants = [("base", None)] + ([("1 adapter", names[0])] if lora else [])
-            for what, lora_names in variants:
-                engine.flush_cache()
-                timed(engine, work, greedy(8), lora_names)
-                engine.flush_cache()
-                secs, toks = timed(engine, work, greedy(256), lora_names)
-                key = f"b [{label}] {what}"
-                results[key] = toks / secs
-                print(f"{key}: {toks / secs:.1f} tok/s ({1e3 * secs / toks:.2f} ms/token)", flush=True)
+                print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token)", flush=True)
         if lora and "s" in args.workloads:
             updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, torch.bfloat16).items())
                        for k, n in enumerate(names)}

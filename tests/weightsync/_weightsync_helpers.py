@@ -111,3 +111,14 @@ def tiny_hf_like(*, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return ForCausalLM()
+
+
+def fsdp_unsupported_reason() -> str | None:
+    """Why FSDP2 cannot run here (None: it can): it needs fully_shard and gloo."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as error:
+        return f"torch.distributed.fsdp.fully_shard is unavailable: {error}"
+    if not torch.distributed.is_gloo_available():
+        return "torch was built without gloo"
+    return None

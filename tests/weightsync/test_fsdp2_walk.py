@@ -15,21 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _weightsync_helpers import assert_same_tensors
+from _weightsync_helpers import assert_same_tensors, fsdp_unsupported_reason
 
 from weightsync.transports import iter_safetensors_dir
 
 WORLD_SIZE = 2
-
-
-def _fsdp_supported() -> str | None:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError as error:
-        return f"torch.distributed.fsdp.fully_shard is unavailable: {error}"
-    if not torch.distributed.is_gloo_available():
-        return "torch was built without gloo"
-    return None
 
 
 def _rank_main(rank: int, out_dir: str) -> None:
@@ -105,7 +95,7 @@ def _rank_main(rank: int, out_dir: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.skipif(_fsdp_supported() is not None, reason=str(_fsdp_supported()))
+@pytest.mark.skipif(fsdp_unsupported_reason() is not None, reason=str(fsdp_unsupported_reason()))
 def test_fsdp2_push_on_cpu_gloo(tmp_path):
     ranks = mp.start_processes(
         _rank_main, args=(str(tmp_path),), nprocs=WORLD_SIZE, start_method="spawn", join=False

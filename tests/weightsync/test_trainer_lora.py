@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _weightsync_helpers import FakeEngine, assert_same_tensors, tiny_llama
+from _weightsync_helpers import FakeEngine, assert_same_tensors, fsdp_unsupported_reason, tiny_llama
 
 from weightsync.trainer import WeightSyncSender, iter_hf_weights
 from weightsync.transports import InProcessSender, iter_safetensors_dir
@@ -131,16 +131,6 @@ def test_adapter_only_refusals():
 WORLD_SIZE = 2
 
 
-def _fsdp_supported() -> str | None:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError as error:
-        return f"torch.distributed.fsdp.fully_shard is unavailable: {error}"
-    if not torch.distributed.is_gloo_available():
-        return "torch was built without gloo"
-    return None
-
-
 def _rank_main(rank: int, out_dir: str) -> None:
     from _weightsync_helpers import tiny_hf_like
     from peft import LoraConfig, inject_adapter_in_model
@@ -181,7 +171,7 @@ def _rank_main(rank: int, out_dir: str) -> None:
     os._exit(0)  # as in test_fsdp2_walk.py: FSDP2 + gloo can abort during interpreter finalization
 
 
-@pytest.mark.skipif(_fsdp_supported() is not None, reason=str(_fsdp_supported()))
+@pytest.mark.skipif(fsdp_unsupported_reason() is not None, reason=str(fsdp_unsupported_reason()))
 def test_adapter_only_fsdp2_on_cpu_gloo(tmp_path):
     ranks = mp.start_processes(_rank_main, args=(str(tmp_path),), nprocs=WORLD_SIZE, start_method="spawn", join=False)
     deadline = time.monotonic() + 180
