@@ -64,14 +64,16 @@ def gpu(args) -> None:
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import SHAPES, write_shape_dir
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    dtype, dtype_name = (torch.bfloat16, "bfloat16") if device.type == "cuda" else (torch.float32, "float32")
+    # --device cpu (tiny shape): a smoke run of the same code on small workloads
+    batch_a, input_a, output_n = (256, 512, 256) if device.type == "cuda" else (16, 32, 16)
     cfg = SHAPES[args.shape]
     model_dir = write_shape_dir(args.shape, prefix=f"bench-lora-{args.shape}-")
     vocab = cfg["vocab_size"]
-    rows: list[tuple[str, float, str]] = []
 
     def make(lora: bool) -> Engine:
-        return Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy", page_size=16,
+        return Engine(EngineConfig(model=model_dir, dtype=dtype_name, device=args.device, load_format="dummy", page_size=16,
                                    max_running_requests=512, max_prefill_tokens=8192, gpu_memory_fraction=args.mem_fraction,
                                    enable_lora=lora, max_loras_per_batch=8, max_lora_rank=args.rank))
 
@@ -88,7 +90,7 @@ def gpu(args) -> None:
         engine = make(lora)
         if lora:
             for k, name in enumerate(names):
-                engine.load_lora_adapter(name, tensors=random_adapter(cfg, args.rank, k, device, torch.bfloat16),
+                engine.load_lora_adapter(name, tensors=random_adapter(cfg, args.rank, k, device, dtype),
                                          config=dict(r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES))
         warm = prompts(8, 64, 1)
         engine.generate(input_ids=warm, sampling_params=greedy(16), lora_name=(names[:8] if lora else None))
@@ -96,25 +98,25 @@ def gpu(args) -> None:
         label = "LoRA on" if lora else "no LoRA"
         # Each row runs twice and times the second: the first compiles the SGMV kernel variants
         # its prefill shapes pick (once per process in real use; decode graphs are captured).
-        rows = {
-            "a": (prompts(256, 512, ord("a")), [("base requests", None)]
-                  + ([("8 adapters, uniform", [names[i % 8] for i in range(256)])] if lora else [])),
+        workloads = {
+            "a": (prompts(batch_a, input_a, ord("a")), [("base requests", None)]
+                  + ([("8 adapters, uniform", [names[i % 8] for i in range(batch_a)])] if lora else [])),
             "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
         }
         for workload in ("a", "b"):
             if workload not in args.workloads:
                 continue
-            work, variants = rows[workload]
+            work, variants = workloads[workload]
             for what, lora_names in variants:
                 engine.flush_cache()
                 timed(engine, work, greedy(8), lora_names)
                 engine.flush_cache()
-                secs, toks = timed(engine, work, greedy(256), lora_names)
+                secs, toks = timed(engine, work, greedy(output_n), lora_names)
                 key = f"{workload} [{label}] {what}"
                 results[key] = toks / secs
                 print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token)", flush=True)
         if lora and "s" in args.workloads:
-            updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, torch.bfloat16).items())
+            updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, dtype).items())
                        for k, n in enumerate(names)}
             mb = sum(t.numel() * t.element_size() for u in updates.values() for _, t in u) / 1e6
             times = []
@@ -137,9 +139,11 @@ def gpu(args) -> None:
             pstats.Stats(profile).sort_stats("tottime").print_stats(12)
         del engine
         gc.collect()
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    print(f"\n{args.shape}, bf16, {torch.cuda.get_device_name()}, adapters rank {args.rank} on all seven modules")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
+    print(f"\n{args.shape}, {dtype_name}, {where}, adapters rank {args.rank} on all seven modules")
     print(f"{'row':<42} | {'tok/s':>9} | {'vs no LoRA':>10} | goal")
     for key, value in results.items():
         if key == "s":
@@ -147,7 +151,6 @@ def gpu(args) -> None:
         base = results.get(f"{key[0]} [no LoRA] base" + (" requests" if key[0] == "a" else ""))
         rel = f"{value / base - 1:+.1%}" if base else ""
         goal = {"a": ">= -15%", "b": ">= -10%"}[key[0]] if "adapter" in key else ""
-        rows.append((key, value, rel))
         print(f"{key:<42} | {value:>9.1f} | {rel:>10} | {goal}")
     if "s" in results:
         print(f"{'s: LoRA-only sync, 8 adapters':<42} | {results['s']:>7.2f} ms | {'':>10} | <= 5 ms")
@@ -220,6 +223,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--cpu", action="store_true", help="SmolLM2 against peft on the CPU")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the GPU rows (with --shape tiny)")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new", type=int, default=24)
     args = parser.parse_args()

@@ -34,3 +34,10 @@ def test_profile_step_smoke_on_cpu(tmp_path) -> None:
     text = _run("scripts.profile_step", "--shape", "tiny", "--device", "cpu", "--batch", "4", "--steps", "2",
                 "--top", "3", "--trace", str(trace))
     assert "ms per decode step" in text and trace.stat().st_size > 0
+
+
+def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
+    text = _run("scripts.bench_lora", "--device", "cpu", "--shape", "tiny")
+    for row in ("a [no LoRA] base requests", "a [LoRA on] 8 adapters, uniform", "b [LoRA on] 1 adapter",
+                "s: LoRA-only sync, 8 adapters"):
+        assert row in text, text[-1500:]
