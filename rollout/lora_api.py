@@ -94,17 +94,14 @@ class LoraAdaptersMixin:
         manager = self._lora_manager()
         if name not in manager.adapters:
             raise ValueError(f"unload_lora_adapter: lora_name={name!r} is not loaded (loaded: {sorted(manager.adapters)})")
+        self._pending.extend(self.loop.drain())  # type: ignore[attr-defined]  # tokens in flight: read them first
         sched = self.scheduler  # type: ignore[attr-defined]
         users = [r.rid for r in (*sched.running, *sched.waiting) if r.lora_name == name]
-        if users or any(r.lora_name == name for r in self._inflight_reqs()):
+        if users:
             raise ValueError(f"unload_lora_adapter: adapter {name!r} is used by {len(users)} request(s) "
                              f"(e.g. {users[:3]}); abort them or let them finish first")
         self.kv.drop_adapter(name)  # type: ignore[attr-defined]
         manager.remove(name)
-
-    def _inflight_reqs(self) -> list[Req]:
-        launched = self.loop.inflight  # type: ignore[attr-defined]
-        return list(launched.reqs) if launched is not None else []
 
 
 def _uses(name: str) -> Callable[[Req], bool]:
