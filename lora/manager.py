@@ -154,6 +154,24 @@ class LoraManager:
         self._slot_used[req.lora_slot] = next(self._clock)
         req.lora_slot = -1
 
+    def evict_all(self) -> None:
+        """Empty every slot (the engine is going to sleep; no request holds one): slots with
+        the only current copy of an adapter are read back into its host copy first."""
+        for slot, name in enumerate(self.slot_owner):
+            if name is None:
+                continue
+            assert self.slot_refs[slot] == 0, "evict_all: a slot is still in use"
+            entry = self.adapters[name]
+            if entry.host_stale:
+                self.pool.read(slot, entry.host, entry.config.r)
+                entry.host_stale = False
+            self.slot_owner[slot] = None
+        self.pool.forget_views()
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every device buffer of the slots (released while the engine sleeps)."""
+        return [*self.pool.a.values(), *self.pool.b.values(), self.pool.slot_ranks]
+
     def _free_slot(self) -> int:
         empty = [s for s, owner in enumerate(self.slot_owner) if owner is None]
         if empty:

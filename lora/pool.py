@@ -107,6 +107,10 @@ class LoraPool:
             a.copy_(a_src)
             b.copy_(b_src)
 
+    def forget_views(self) -> None:
+        """Drop cached slot views (they would keep released buffers' storage alive)."""
+        self._view_cache.clear()
+
     def clear(self, slot: int) -> None:
         self.slot_ranks[slot] = 0
 

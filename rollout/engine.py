@@ -15,14 +15,15 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from rollout.config import EngineConfig
-from rollout.core.build import build_parts, check_device
+from rollout.core.build import attach_backend, build_parts, check_device
+from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.intake import Intake, Limits
 from rollout.core.outputs import Outputs
 from rollout.core.step import StepLoop
 from rollout.metrics import Counters, EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
-from rollout.validate import check_bool, check_pause_mode, named_tensor_list
+from rollout.validate import check_bool, check_int, check_pause_mode, named_tensor_list
 from rollout.lora_api import LoraAdaptersMixin
 from rollout.weight_updates import WeightUpdatesMixin
 
@@ -60,6 +61,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,
                              fork_samples=self.kv.tree is not None, lora=self.lora)
         self._pending: list[RolloutOutput] = []  # finished outputs not yet handed out
+        self.memory = MemorySaver(self.model, [*self.kv_pool.k_buffers, *self.kv_pool.v_buffers],
+                                  self.lora.device_tensors() if self.lora is not None else [], self.device)
 
     # ---- requests in ------------------------------------------------------------------
     def add_request(
@@ -75,6 +78,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
     ) -> list[str]:
         """Queue one prompt (its n samples), under adapter `lora_name` (None: the base
         model). Returns the samples' request ids."""
+        self._check_serving()
         reqs = self.intake.make_reqs(input_ids, prompt, sampling_params or SamplingParams(), request_id,
                                      prompt_index, namespace, lora_name)
         for req in reqs:
@@ -93,6 +97,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
     ) -> list[RolloutOutput]:
         """Run prompts to completion. One output per sample, prompt-major then sample.
         `lora_name`: one adapter for every prompt, or a list with one per prompt."""
+        self._check_serving()
         items = self.intake.batch(input_ids, prompts, sampling_params)
         adapters = self.intake.lora_names(lora_name, len(items))
         # Validate every prompt before queueing any: a bad one must not leave half a batch.
@@ -137,6 +142,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         step's tokens back while the device works: outputs arrive one step later."""
         t0 = time.perf_counter()
         finished, self._pending = self._pending, []
+        if self.memory.asleep or self.memory.weights_discarded:
+            return finished  # accepted requests wait for wake() (and, after level 2, a full sync)
         finished.extend(self.loop.step(self.weight_version))
         self.counters.step_seconds += time.perf_counter() - t0
         return finished
@@ -178,14 +185,73 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         """
         check_bool(full, "full")
         check_pause_mode(pause_mode)
+        if "weights" in self.memory.asleep:
+            raise RuntimeError("update_weights: the weights are asleep; wake(['weights']) first")
+        if self.memory.weights_discarded and not full:
+            raise ValueError("update_weights: sleep(level=2) discarded the weights; the next update must be full=True")
         writes = plan_writes(self.model, named_tensor_list(named_tensors), full=full)
         self._pause(pause_mode)
         apply_writes(writes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.kv.flush()
+        self.memory.weights_discarded = False
         self.weight_version += 1
         return self.weight_version
+
+    # ---- sleep / wake -----------------------------------------------------------------
+    def sleep(self, level: int = 1) -> SleepStats:
+        """Give the device memory back (a colocated trainer's optimizer step needs it).
+
+        Running requests are retracted first (their KV is released; they keep their tokens
+        and resume after wake()); new requests are refused until wake(). level=1: weights to
+        pinned host memory; level=2: weights dropped (the next update_weights(full=True)
+        refills them). Both release the KV cache, LoRA slots, attention workspace and CUDA
+        graphs, and return the memory to the device (not to torch's cache)."""
+        level = check_int(level, "level", min=1, max=2)
+        if self.memory.asleep:
+            raise RuntimeError(f"sleep: already asleep ({sorted(self.memory.asleep)} released); wake() first")
+        self._pending.extend(self.loop.drain())
+        self.counters.retractions += len(self.scheduler.retract_all())
+        self.kv.flush()
+        if self.lora is not None:
+            self.lora.evict_all()
+        self.runner.graphs, self.runner.backend = None, None
+        self.memory.release_kv()
+        self.memory.release_weights(level)
+        self.memory.empty_cache()
+        self.memory.stats.level = level
+        self.memory.stats.sleeps += 1
+        return self.memory.stats
+
+    def wake(self, tags: Sequence[str] | None = None) -> SleepStats:
+        """Take the memory back, all of it (tags=None) or in stages: "weights" first (a
+        trainer can then sync into them before the KV cache returns), then "kv_cache" (KV
+        pool, LoRA slots, attention workspace, CUDA graphs: graph capture runs the model, so
+        the weights must be awake)."""
+        tags = list(TAGS if tags is None else tags)
+        unknown = [t for t in tags if t not in TAGS]
+        if unknown or not tags:
+            raise ValueError(f"wake(tags={tags!r}): expected a non-empty subset of {list(TAGS)}")
+        if "weights" in tags and "weights" in self.memory.asleep:
+            self.memory.restore_weights()
+        if "kv_cache" in tags and "kv_cache" in self.memory.asleep:
+            if "weights" in self.memory.asleep:
+                raise ValueError("wake: 'kv_cache' needs the weights awake (graph capture runs the model); "
+                                 "wake(['weights']) first or wake both")
+            start = time.perf_counter()
+            self.memory.restore_kv()
+            attach_backend(self.config, self.model_config, self.runner, self.kv_pool, min(self.context_len, self.kv.capacity))
+            self.memory.stats.wake_seconds["kv_cache"] = time.perf_counter() - start
+        if not self.memory.asleep:
+            self.memory.stats.level = 0
+        return self.memory.stats
+
+    def _check_serving(self) -> None:
+        if self.memory.asleep:
+            raise RuntimeError(f"the engine is asleep ({sorted(self.memory.asleep)} released): wake() first")
+        if self.memory.weights_discarded:
+            raise RuntimeError("sleep(level=2) discarded the weights: update_weights(..., full=True) before new requests")
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -91,21 +91,29 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
     req_table = ReqSlotTable(config.max_running_requests + 1, table_width)
     kv = KVManager(kv_pool, req_table, config.enable_radix_cache)
     scheduler = Scheduler(config, kv, lora)
-    backend = make_backend(config.attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
-    runner = ModelRunner(model, backend, req_table.table, device, lora.pool if lora is not None else None)
+    runner = ModelRunner(model, None, req_table.table, device, lora.pool if lora is not None else None)
     log.info("KV cache: %d tokens fit (%d pages of %d, %.1f GiB) on %s", kv.capacity,
              kv_pool.allocator.num_pages - 1, config.page_size,
              2 * sum(b.numel() * b.element_size() for b in kv_pool.k_buffers) / 2**30, device)
-    if device.type == "cuda" and config.cuda_graph and backend.graphable:
+    attach_backend(config, cfg, runner, kv_pool, min(context_len, kv.capacity))
+    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora)
+
+
+def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, kv_pool: KVPool, max_context: int) -> None:
+    """A fresh attention backend (its workspace) and decode CUDA graphs for the runner: at
+    start-up, and again on wake (graphs and plans bake the KV pool's addresses in)."""
+    device = runner.device
+    runner.graphs = None
+    runner.backend = make_backend(config.attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
+    if device.type == "cuda" and config.cuda_graph and runner.backend.graphable:
         max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
         start = time.perf_counter()
-        runner.capture_decode_graphs(max_bs, min(context_len, kv.capacity))
+        runner.capture_decode_graphs(max_bs, max_context)
         log.info("captured decode CUDA graphs for batch sizes up to %d in %.1f s", max_bs, time.perf_counter() - start)
     if device.type == "cuda":
         # The 1 - fraction left after KV holds graphs, attention workspace and activations.
         log.info("GPU memory after KV, graphs and workspace: %.1f GiB free for activations",
                  cuda_free_bytes(device) / 2**30)
-    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora)
 
 
 def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaModel, device: torch.device) -> LoraManager:

@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, backend: AttentionBackend, table: torch.Tensor, device: torch.device,
+    def __init__(self, model: LlamaModel, backend: AttentionBackend | None, table: torch.Tensor, device: torch.device,
                  lora: LoraPool | None = None) -> None:
         self.model = model
-        self.backend = backend
+        self.backend = backend  # None until build.attach_backend (re-made on wake from sleep)
         self.lora = lora  # the adapter slots the model's projections read (None: LoRA off)
         self.table = table  # [max_requests, max_context] int64, CPU
         self.table_np = table.numpy()  # the same memory, for cheap row slicing

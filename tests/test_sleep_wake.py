@@ -1,0 +1,120 @@
+"""sleep / wake on CPU: every buffer is released (weights, KV pool, LoRA slots; graphs and
+the attention backend dropped) and re-made, outputs after wake equal outputs before, requests
+accepted before sleep finish after wake, new ones are refused while asleep, and level 2 needs
+a full weight sync. (GPU: resident memory and wake time are measured in BENCHMARKS.md.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TinyModel, make_prompts
+from rollout import Engine, EngineConfig, SamplingParams
+from weightsync import iter_hf_weights
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, ignore_eos=True, logprobs_mode="raw")
+
+
+def _adapter(llama: TinyModel, seed: int) -> dict[str, torch.Tensor]:
+    """Random rank-4 LoRA tensors on q_proj and down_proj, under PEFT state-dict names."""
+    cfg, g = llama.hf.config, torch.Generator().manual_seed(seed)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    out = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module, part, fan_in, fan_out in (("q_proj", "self_attn", h, h), ("down_proj", "mlp", i, h)):
+            name = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            out[f"{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=g) * 0.3
+            out[f"{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g) * 0.3
+    return out
+
+
+def _device_tensors(engine: Engine) -> list[torch.Tensor]:
+    tensors = [*engine.model.parameters(), *engine.model.buffers(), *engine.kv_pool.k_buffers, *engine.kv_pool.v_buffers]
+    if engine.lora is not None:
+        tensors += engine.lora.device_tensors()
+    return tensors
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_level1_releases_everything_and_wakes_to_the_same_outputs(llama: TinyModel, lora: bool) -> None:
+    engine = Engine(EngineConfig(model=llama.path, page_size=4, enable_lora=lora, max_lora_rank=8))
+    prompts = make_prompts(llama.vocab_size, [5, 9, 3], seed=60)
+    names = None
+    if lora:  # an adapter resident in a slot whose host copy is stale (updated in place) when sleep comes
+        config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+        engine.load_lora_adapter("a", tensors=_adapter(llama, 1), config=config)
+        names = ["a", None, "a"]
+        engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_name=names)
+        engine.update_lora_adapter("a", _adapter(llama, 2).items())
+        assert engine.lora.adapters["a"].host_stale
+    before = engine.generate(input_ids=prompts, sampling_params=SAMPLED, lora_name=names)
+    total = sum(t.numel() * t.element_size() for t in _device_tensors(engine))
+    stats = engine.sleep(level=1)
+    assert all(t.numel() == 0 for t in _device_tensors(engine)), "a buffer stayed resident"
+    assert engine.runner.graphs is None and engine.runner.backend is None
+    assert sum(stats.released_bytes.values()) == total
+    with pytest.raises(RuntimeError, match="the engine is asleep"):
+        engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    engine.wake()
+    assert sum(engine.memory.stats.restored_bytes.values()) == total and engine.memory.stats.level == 0
+    after = engine.generate(input_ids=prompts, sampling_params=SAMPLED, lora_name=names)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert [o.logprobs for o in after] == [o.logprobs for o in before]
+    for _ in range(3):  # cycles: the host copies are reused, nothing accumulates
+        engine.sleep(level=1)
+        engine.wake()
+    assert engine.generate(input_ids=prompts[:1], sampling_params=GREEDY)[0].token_ids == llama.greedy(prompts[0], 8)
+
+
+def test_requests_accepted_before_sleep_finish_after_wake(llama: TinyModel) -> None:
+    engine = Engine(EngineConfig(model=llama.path))
+    prompts = make_prompts(llama.vocab_size, [6, 11], seed=61)
+    ids = [engine.add_request(p, GREEDY)[0] for p in prompts]
+    engine.step()
+    engine.step()
+    engine.sleep()
+    assert engine.step() == [] and engine.stats().num_waiting == 2, "accepted requests wait while asleep"
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.add_request(prompts[0], GREEDY)
+    engine.wake(["weights"])  # staged: the KV cache is still released
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.add_request(prompts[0], GREEDY)
+    engine.wake(["kv_cache"])
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert [outs[i].token_ids for i in ids] == [llama.greedy(p, 8) for p in prompts]
+    assert engine.kv.used_slots() == 0 or engine.kv.tree is not None
+
+
+def test_level2_discards_weights_until_a_full_sync(llama: TinyModel) -> None:
+    engine = Engine(EngineConfig(model=llama.path))
+    prompt = make_prompts(llama.vocab_size, [7], seed=62)[0]
+    engine.sleep(level=2)
+    with pytest.raises(ValueError, match="'kv_cache' needs the weights awake"):
+        engine.wake(["kv_cache"])
+    with pytest.raises(RuntimeError, match="the weights are asleep"):
+        engine.update_weights(iter_hf_weights(llama.hf), full=True)
+    engine.wake(["weights"])
+    assert all(float(p.abs().sum()) == 0 for p in engine.model.parameters()), "level 2 keeps no weights"
+    with pytest.raises(ValueError, match="must be full=True"):
+        engine.update_weights([("model.norm.weight", llama.hf.model.norm.weight.detach())])
+    engine.update_weights(iter_hf_weights(llama.hf), full=True)  # the trainer's sync, before the KV returns
+    engine.wake(["kv_cache"])
+    assert engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0].token_ids == llama.greedy(prompt, 8)
+
+
+def test_bad_sleep_and_wake_calls(llama: TinyModel) -> None:
+    engine = Engine(EngineConfig(model=llama.path))
+    with pytest.raises(ValueError, match="level=3: must be <= 2"):
+        engine.sleep(level=3)
+    with pytest.raises(ValueError, match="expected a non-empty subset"):
+        engine.wake(["gpu"])
+    engine.wake()  # awake already: nothing to do
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="already asleep"):
+        engine.sleep()
+    engine.wake()
+    prompt = make_prompts(llama.vocab_size, [4], seed=63)[0]
+    assert engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0].token_ids == llama.greedy(prompt, 8)
