@@ -41,3 +41,8 @@ def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
     for row in ("a [no LoRA] base requests", "a [LoRA on] 8 adapters, uniform", "b [LoRA on] 1 adapter",
                 "s: LoRA-only sync, 8 adapters"):
         assert row in text, text[-1500:]
+
+
+def test_bench_sleep_smoke_on_cpu() -> None:
+    text = _run("scripts.bench_sleep", "--device", "cpu", "--shape", "tiny", "--cycles", "2")
+    assert "2 sleep(1)/wake cycles, outputs equal after each" in text and "wake kv+graphs s" in text
