@@ -16,15 +16,15 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.core.build import attach_backend, build_parts, check_device
-from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.intake import Intake, Limits
+from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.outputs import Outputs
 from rollout.core.step import StepLoop
 from rollout.metrics import Counters, EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
-from rollout.validate import check_bool, check_int, check_pause_mode, named_tensor_list
 from rollout.lora_api import LoraAdaptersMixin
+from rollout.validate import check_bool, check_int, check_pause_mode, named_tensor_list
 from rollout.weight_updates import WeightUpdatesMixin
 
 log = logging.getLogger("rollout")
