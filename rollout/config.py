@@ -15,6 +15,7 @@ from rollout.validate import check_bool, check_float, check_int, check_str
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "torch", "triton", "flashinfer")
 _POLICIES = ("fcfs", "lpm")
+_SPECULATIVE = (None, "ngram", "suffix")
 _LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -57,6 +58,16 @@ class EngineConfig:
     max_loras_per_batch: int = 8  # device slots = most distinct adapters in one step
     max_lora_rank: int = 64
     max_loaded_loras: int | None = None  # adapters held in host memory; None: no limit
+    # Speculative decoding (speculative/): "ngram" (lookup in the request's own tokens) or
+    # "suffix" (the request and earlier rollouts of the same prompt), num_speculative_tokens
+    # drafts per step at most (adapted per request, down to none, to its acceptance).
+    # Verification is exact: a request emits what plain decoding would have drawn.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    # suffix drafter: tokens of earlier rollouts kept (LRU over prompts), and whether they
+    # survive a weight update (rollouts of the previous policy still draft well in RL)
+    speculative_history_tokens: int = 4_000_000
+    speculative_keep_history_on_update: bool = True
     # which of q/k/v/o/gate/up/down_proj adapters may target (slots are allocated for these)
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -104,12 +115,21 @@ class EngineConfig:
         unknown = sorted(set(self.lora_target_modules) - set(_LORA_MODULES))
         if unknown or not self.lora_target_modules:
             raise ValueError(f"{f}lora_target_modules={self.lora_target_modules!r}: expected a non-empty subset of {_LORA_MODULES}")
+        if self.speculative not in _SPECULATIVE:
+            raise ValueError(f"{f}speculative={self.speculative!r}: expected one of {_SPECULATIVE}")
+        check_int(self.num_speculative_tokens, f + "num_speculative_tokens", min=1, max=64)
+        check_int(self.speculative_history_tokens, f + "speculative_history_tokens", min=0)
+        check_bool(self.speculative_keep_history_on_update, f + "speculative_keep_history_on_update")
         if self.attention not in _ATTENTION:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
 
     @property
     def overlap(self) -> bool:
-        """Whether overlap scheduling is on (resolving the None default by device)."""
+        """Whether overlap scheduling is on (resolving the None default by device). Off with
+        speculative decoding: the next step's drafts continue the tokens this step emits,
+        so the host must have read them before it schedules."""
+        if self.speculative is not None:
+            return False
         return self.device.startswith("cuda") if self.overlap_schedule is None else self.overlap_schedule
 
     @property

@@ -26,6 +26,7 @@ from rollout.request import Req, RolloutOutput, SamplingParams
 from rollout.lora_api import LoraAdaptersMixin
 from rollout.validate import check_bool, check_int, check_pause_mode, named_tensor_list
 from rollout.weight_updates import WeightUpdatesMixin
+from speculative import make_drafter
 
 log = logging.getLogger("rollout")
 
@@ -54,8 +55,9 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.weight_version = 0
         self.counters = Counters()
         self.outputs = Outputs(self.tokenizer, self.eos_token_ids, self.context_len)
+        self.drafter = make_drafter(config, self.context_len)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,
-                             self.model_config.vocab_size, config.overlap)
+                             self.model_config.vocab_size, config.overlap, self.drafter)
         limits = Limits(self.model_config.vocab_size, self.context_len, self.kv.capacity - config.page_size)
         self.lora = parts.lora
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,
@@ -195,6 +197,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.kv.flush()
+        if self.drafter is not None:
+            self.drafter.on_weight_update()
         self.memory.weights_discarded = False
         self.weight_version += 1
         return self.weight_version
@@ -267,6 +271,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             kv_usage=used / self.kv.capacity,
             weight_version=self.weight_version,
             counters=dict(vars(c)),
+            mean_accepted_length=c.accepted_tokens / c.verify_steps if c.verify_steps else 0.0,
+            draft_acceptance_rate=c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0,
         )
 
     def flush_cache(self) -> None:

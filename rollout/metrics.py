@@ -18,6 +18,11 @@ class Counters:
     finished_requests: int = 0
     aborted_requests: int = 0
     retractions: int = 0
+    # speculative decoding: draft tokens verified, those accepted, and the (request, step)
+    # verifications (mean accepted length per verification = accepted / verify_steps)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
     step_seconds: float = 0.0  # wall time inside step(): schedule, forward, sample, read back, bookkeeping
 
 
@@ -32,6 +37,10 @@ class EngineStats:
     kv_usage: float
     weight_version: int
     counters: dict
+    # speculative decoding: accepted drafts per verification (tokens emitted per verify step
+    # is this + 1), and the share of drafted tokens accepted
+    mean_accepted_length: float = 0.0
+    draft_acceptance_rate: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

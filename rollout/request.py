@@ -131,6 +131,12 @@ class Req:
     req_pool_idx: int | None = None
     last_node: TreeNode | None = None
 
+    # Speculative decoding: tokens proposed for this step (verified by the target, then
+    # cleared), and this request's current draft length (adapted to its acceptance).
+    draft_tokens: list[int] = field(default_factory=list)
+    spec_k: int = -1  # -1: not started (the engine's num_speculative_tokens)
+    spec_pause: int = 0  # steps left before drafting again (after drafts kept failing)
+
     # n > 1: siblings wait for the first sample (the leader) to prefill the prompt,
     # then fork off its KV and its last-position logits instead of recomputing them.
     leader: Req | None = None

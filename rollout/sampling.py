@@ -60,7 +60,10 @@ class SamplingBatch:
     max_top_logprobs: int
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device | str) -> SamplingBatch:
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device | str,
+                  offsets: list[int] | None = None) -> SamplingBatch:
+        """One row per entry of `reqs`; `offsets[i]`: row i draws the token `offsets[i]`
+        positions past the request's next one (a draft position being verified)."""
         params = [r.params for r in reqs]
         temps = [p.temperature for p in params]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
@@ -80,7 +83,7 @@ class SamplingBatch:
             top_ps=t([p.top_p for p in params], torch.float32),
             min_ps=t([p.min_p for p in params], torch.float32),
             seeds=t([r.seed for r in reqs], torch.int64),
-            positions=t([r.seq_len for r in reqs], torch.int64),
+            positions=t([r.seq_len + (offsets[i] if offsets else 0) for i, r in enumerate(reqs)], torch.int64),
             greedy=t([x == 0 for x in temps], torch.bool),
             all_greedy=False,
             need_sort=any(p.temperature > 0 and (p.top_p < 1.0 or k < vocab_size) for p, k in zip(params, top_ks)),

@@ -35,9 +35,10 @@ class ScheduledBatch:
     retracted: list[Req] = field(default_factory=list)
 
     def produces_token(self, i: int) -> bool:
-        """Does request i reach the end of its known tokens this step (and so sample)?"""
+        """Does request i reach the end of its known tokens (and drafts) this step, and so
+        sample (one token per draft position, plus one)?"""
         req = self.reqs[i]
-        return req.num_computed_tokens + self.extend_lens[i] == req.seq_len
+        return req.num_computed_tokens + self.extend_lens[i] == req.seq_len + len(req.draft_tokens)
 
     def samplers(self) -> list[Req]:
         """The requests that sample this step, in batch order."""
@@ -99,6 +100,7 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         self.running.remove(req)
+        req.draft_tokens = []  # proposed for a step it no longer runs in
         self._release(req)
         self.waiting.appendleft(req)
 
@@ -123,6 +125,12 @@ class Scheduler:
             if req.num_inflight and seq_len - len(req.prompt_ids) >= req.params.max_new_tokens:
                 continue  # its last token is already in flight: nothing more to compute
             need = seq_len - req.num_computed_tokens
+            if req.draft_tokens:  # verify: the last token and the k drafts, whole or not at all
+                if need != 1 or 1 + len(req.draft_tokens) > budget or not self.kv.extend(
+                        req, req.num_computed_tokens + 1 + len(req.draft_tokens)):
+                    req.draft_tokens = []  # short of budget or memory: a plain decode this step
+                else:
+                    need = 1 + len(req.draft_tokens)
             n = 1 if need == 1 else min(need, budget)
             if n <= 0:
                 continue  # a chunked prefill waits for budget; it keeps its KV

@@ -1,7 +1,9 @@
 """Randomized workloads through the whole engine: mixed prompt lengths, n samples with
 shared prompts, tight KV (retraction), small prefill budgets (chunking), page sizes 1 and
-16, radix on and off, aborts in the middle. Every request must come back, seeded
-outputs must equal the same requests run alone in a roomy engine, and no KV may leak."""
+16, radix on and off, aborts in the middle, overlap scheduling, speculative decoding (with
+repetitive prompts, so drafts are accepted and rejected). Every request must come back,
+seeded outputs must equal the same requests run alone in a roomy engine without
+speculation, and no KV may leak."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from conftest import TinyModel
 from rollout import Engine, EngineConfig, SamplingParams
 
 
-def _workload(rng: random.Random, vocab: int) -> list[tuple[list[int], SamplingParams]]:
+def _workload(rng: random.Random, vocab: int, repetitive: bool = False) -> list[tuple[list[int], SamplingParams]]:
     base = [rng.randrange(vocab) for _ in range(rng.randint(5, 40))]
+    if repetitive:  # short patterns repeated: n-gram and suffix drafts find matches
+        base = [rng.randrange(vocab) for _ in range(rng.randint(2, 5))] * 8
     items = []
     for i in range(rng.randint(4, 8)):
         # half the prompts share a prefix, so the radix tree and forks are exercised
@@ -29,11 +33,16 @@ def _workload(rng: random.Random, vocab: int) -> list[tuple[list[int], SamplingP
     return items
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, seed: int, overlap: bool) -> None:
+@pytest.mark.parametrize("mode", ["sync", "overlap", "ngram", "suffix"])
+@pytest.mark.parametrize("seed", range(10))
+def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, seed: int, mode: str) -> None:
+    _run_workload(llama, seed, mode)
+
+
+def _run_workload(llama: TinyModel, seed: int, mode: str):
     rng = random.Random(seed)
-    items = _workload(rng, llama.vocab_size)
+    speculative = mode if mode in ("ngram", "suffix") else None
+    items = _workload(rng, llama.vocab_size, repetitive=speculative is not None)
     page_size = rng.choice([1, 16])
     roomy = Engine(EngineConfig(model=llama.path, page_size=page_size))
     expected = roomy.generate(input_ids=[p for p, _ in items], sampling_params=[s for _, s in items])
@@ -41,7 +50,7 @@ def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, see
     tight = Engine(EngineConfig(
         model=llama.path, page_size=page_size, enable_radix_cache=rng.random() < 0.7,
         max_total_tokens=(128 if page_size == 16 else 80), max_prefill_tokens=rng.choice([16, 32, 64]),
-        max_running_requests=rng.choice([2, 4, 16]), overlap_schedule=overlap,
+        max_running_requests=rng.choice([2, 4, 16]), overlap_schedule=mode == "overlap", speculative=speculative,
     ))
     ids = [tight.add_request(p, s, request_id=f"r{i}") for i, (p, s) in enumerate(items)]
     victim = rng.choice(ids)[0]
@@ -68,3 +77,13 @@ def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, see
     alloc = tight.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages - 1, "KV pages leaked"
     assert tight.kv.req_table.num_free == tight.kv.req_table.max_requests, "request rows leaked"
+    return tight.counters
+
+
+def test_speculative_stress_runs_do_draft(llama: TinyModel) -> None:
+    """The speculative workloads above must exercise verification: drafts accepted and rejected."""
+    drafted = accepted = 0
+    for seed in range(3):
+        counters = _run_workload(llama, seed, "suffix")
+        drafted, accepted = drafted + counters.drafted_tokens, accepted + counters.accepted_tokens
+    assert drafted > accepted > 0

@@ -30,7 +30,9 @@ def smollm2():
     return str(path), tok, hf
 
 
-def test_greedy_chat_completions_match_transformers(smollm2) -> None:
+@pytest.fixture(scope="module")
+def chats(smollm2):
+    """The questions as chat prompts, with transformers' greedy completions."""
     path, tok, hf = smollm2
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False) for q in QUESTIONS]
     ids = [tok.encode(p) for p in prompts]
@@ -39,6 +41,12 @@ def test_greedy_chat_completions_match_transformers(smollm2) -> None:
         for p in ids:
             out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones(1, len(p), dtype=torch.long))
             expected.append(out[0, len(p):].tolist())
+    return ids, expected
+
+
+def test_greedy_chat_completions_match_transformers(smollm2, chats) -> None:
+    path, tok, hf = smollm2
+    ids, expected = chats
     engine = Engine(EngineConfig(model=path, page_size=16))
     outs = engine.generate(input_ids=ids, sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW))
     assert [o.token_ids for o in outs] == expected
@@ -67,3 +75,23 @@ def test_stop_strings_and_prompts_text(smollm2) -> None:
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_speculative_greedy_equals_transformers(smollm2, chats, drafter: str) -> None:
+    """Speculative decoding on the real model: the same greedy tokens as transformers (and so
+    as plain decoding), raw log-probs within 1e-4, a second round drafting from the first."""
+    path, _, hf = smollm2
+    ids, expected = chats
+    engine = Engine(EngineConfig(model=path, page_size=16, speculative=drafter))
+    params = SamplingParams(temperature=0, max_new_tokens=NEW, logprobs_mode="raw")
+    for _ in range(2):  # the suffix drafter's second round has the first as history
+        outs = engine.generate(input_ids=ids, sampling_params=params)
+        assert [o.token_ids for o in outs] == expected
+    stats = engine.stats()
+    assert stats.counters["verify_steps"] > 0 and stats.mean_accepted_length > 0
+    full = torch.tensor([ids[1] + outs[1].token_ids])
+    with torch.no_grad():
+        logits = hf(full).logits[0, len(ids[1]) - 1 : -1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[1].token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(outs[1].logprobs), ref, atol=1e-4, rtol=0)

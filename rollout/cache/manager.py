@@ -115,6 +115,19 @@ class KVManager:
         self.table[req.req_pool_idx, filled:end] = slots
         req.num_allocated_slots = new_len
 
+    def truncate(self, req: Req, new_len: int) -> None:
+        """Give back the slots of positions >= new_len (rejected draft tokens): the page
+        holding position new_len - 1 stays whole (the invariant above); pages after it are
+        freed. Their KV was never inserted in the tree."""
+        if new_len >= req.num_allocated_slots:
+            return
+        ps, width = self.page_size, self.table.shape[1]
+        keep_end = min(-(-new_len // ps) * ps, width)
+        old_end = min(-(-req.num_allocated_slots // ps) * ps, width)
+        if old_end > keep_end:
+            self.allocator.free_slots(self.table[req.req_pool_idx, keep_end:old_end].clone())
+        req.num_allocated_slots = new_len
+
     # ---- release ----------------------------------------------------------------------
     def release(self, req: Req) -> None:
         """Finished, aborted or retracted: computed KV goes to the tree (when on), the rest

@@ -9,6 +9,7 @@ before step t's tokens are read back, so host work hides behind device work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,13 +21,18 @@ from rollout.request import Req, RolloutOutput
 from rollout.sampling import SamplingBatch, sample
 from rollout.scheduler import ScheduledBatch, Scheduler
 
+if TYPE_CHECKING:
+    from speculative.base import Drafter
+
 
 @dataclass
 class Launched:
     """A step whose sampled tokens are still on the device (or just copied back)."""
 
     reqs: list[Req]
-    packed: torch.Tensor | None  # [len(reqs), 3 + 4k] float64: token, raw lp, processed lp, top-k
+    packed: torch.Tensor | None  # [rows, 3 + 4k] float64: token, raw lp, processed lp, top-k
+    # speculation: the drafts each request verified this step (its rows are 1 + len(drafts))
+    drafts: list[list[int]]
     event: torch.cuda.Event | None  # set when the copy to pinned host memory is done
     top_k: int
     version: int  # weight version that produced these tokens
@@ -34,7 +40,7 @@ class Launched:
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVManager, outputs: Outputs,
-                 counters: Counters, vocab_size: int, overlap: bool) -> None:
+                 counters: Counters, vocab_size: int, overlap: bool, drafter: Drafter | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv
@@ -42,12 +48,15 @@ class StepLoop:
         self.counters = counters
         self.vocab_size = vocab_size
         self.overlap = overlap
+        self.drafter = drafter  # speculative decoding (then overlap is off: drafts need the last tokens)
         self.inflight: Launched | None = None  # overlap scheduling: the step not yet read back
 
     def step(self, version: int) -> list[RolloutOutput]:
         """One scheduler -> model -> sampler step; returns the requests that finished (with
         overlap scheduling, those of the previous step)."""
         finished: list[RolloutOutput] = []
+        if self.drafter is not None:
+            self.drafter.propose_all(self.scheduler.running)
         batch = self.scheduler.schedule()
         launched = self.launch(batch, version) if batch is not None else None
         if self.overlap:
@@ -79,11 +88,18 @@ class StepLoop:
             req.num_computed_tokens += n
             self.counters.computed_tokens += n
         rows, samplers = self._fork_followers(samplers)
+        drafts = [list(r.draft_tokens) for r in samplers]
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
         if not samplers:
-            return Launched([], None, None, 0, version)
-        res = sample(logits, SamplingBatch.from_reqs(samplers, self.vocab_size, logits.device))
+            return Launched([], None, [], None, 0, version)
+        # one sampling row per position drawn: a request verifying k drafts draws k + 1 tokens,
+        # each with the noise of its own position, so what it emits is exactly what plain
+        # decoding would have drawn there (drafts are proposals, accepted where they agree)
+        row_reqs = [r for r, d in zip(samplers, drafts) for _ in range(1 + len(d))]
+        offsets = [j for d in drafts for j in range(1 + len(d))]
+        res = sample(logits, SamplingBatch.from_reqs(row_reqs, self.vocab_size, logits.device,
+                                                     offsets if len(row_reqs) > len(samplers) else None))
         if self.overlap:  # only then does a step read tokens it has not seen
             self.runner.record_tokens([r.req_pool_idx for r in samplers], res.token_ids)
         for req in samplers:
@@ -95,7 +111,7 @@ class StepLoop:
         if res.top_raw is not None:
             k = res.top_raw[0].shape[1]
             columns += [*res.top_raw, *res.top_processed]  # type: ignore[misc]
-        packed = torch.cat([c.double().reshape(len(samplers), -1) for c in columns], dim=1)
+        packed = torch.cat([c.double().reshape(len(row_reqs), -1) for c in columns], dim=1)
         event = None
         if packed.is_cuda:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -103,7 +119,7 @@ class StepLoop:
             event = torch.cuda.Event()
             event.record()
             packed = host
-        return Launched(samplers, packed, event, k, version)
+        return Launched(samplers, packed, drafts, event, k, version)
 
     def read_back(self, launched: Launched) -> list[RolloutOutput]:
         """Append a launched step's tokens (waiting for them if need be) and finish requests."""
@@ -114,26 +130,55 @@ class StepLoop:
         packed = launched.packed.tolist()  # type: ignore[union-attr]
         k = launched.top_k
         finished = []
-        for row, req in zip(packed, launched.reqs):
+        at = 0  # the first row of the next request
+        for req, drafts in zip(launched.reqs, launched.drafts):
+            rows, at = packed[at : at + 1 + len(drafts)], at + 1 + len(drafts)
             req.num_inflight -= 1
+            req.draft_tokens = []
             if req.finished:
                 continue  # finished or aborted while this token was in flight: dropped
-            mode = req.params.logprobs_mode
-            lp = row[1] if mode == "raw" else row[2]
-            top = None
-            if req.params.top_logprobs:
-                # per row: raw values, raw ids, processed values, processed ids (k each)
-                base = 3 if mode == "raw" else 3 + 2 * k
-                vals, ids = row[base : base + k], row[base + k : base + 2 * k]
-                top = [(int(t), v) for t, v in zip(ids, vals)][: req.params.top_logprobs]
-            token = int(row[0])
-            req.append_token(token, lp, top, launched.version)
-            self.counters.generated_tokens += 1
-            if self.outputs.check_finish(req, token):
+            emitted = 0
+            for j, row in enumerate(rows):
+                token = int(row[0])
+                req.append_token(token, *self._logprobs(req, row, k), launched.version)
+                emitted += 1
+                self.counters.generated_tokens += 1
+                if self.outputs.check_finish(req, token) or j == len(drafts) or token != drafts[j]:
+                    break  # finished, or the first token that differs from its draft ends the run
+            if drafts:
+                self._settle_drafts(req, len(drafts), emitted)
+            if req.finished:
                 self.scheduler.remove(req)
                 self.counters.finished_requests += 1
+                if self.drafter is not None:
+                    self.drafter.observe_finished(req)
                 finished.append(self.outputs.make(req, launched.version))
         return finished
+
+    @staticmethod
+    def _logprobs(req: Req, row: list[float], k: int) -> tuple[float, list[tuple[int, float]] | None]:
+        mode = req.params.logprobs_mode
+        lp = row[1] if mode == "raw" else row[2]
+        top = None
+        if req.params.top_logprobs:
+            # per row: raw values, raw ids, processed values, processed ids (k each)
+            base = 3 if mode == "raw" else 3 + 2 * k
+            vals, ids = row[base : base + k], row[base + k : base + 2 * k]
+            top = [(int(t), v) for t, v in zip(ids, vals)][: req.params.top_logprobs]
+        return lp, top
+
+    def _settle_drafts(self, req: Req, num_drafts: int, emitted: int) -> None:
+        """KV rollback: the step computed the last token and every draft; only the KV of the
+        last token and of the accepted drafts is kept (the rest is never cached or reused),
+        and whole pages past it go back to the allocator."""
+        rejected = num_drafts + 1 - emitted
+        req.num_computed_tokens -= rejected
+        self.kv.truncate(req, req.num_computed_tokens)
+        self.counters.drafted_tokens += num_drafts
+        self.counters.accepted_tokens += emitted - 1
+        self.counters.verify_steps += 1
+        if self.drafter is not None:
+            self.drafter.observe_step(req, num_drafts, emitted - 1)
 
     def _note_admission(self, req: Req) -> None:
         """A request's first admission (by the scheduler or a fork): how much of its prompt
@@ -145,8 +190,13 @@ class StepLoop:
 
     def _fork_followers(self, samplers: list[Req]) -> tuple[list[int], list[Req]]:
         """Leaders that just finished their prompt hand it (KV and last logits) to their
-        waiting followers, which then sample their first token in this same step."""
-        rows = list(range(len(samplers)))
+        waiting followers, which then sample their first token in this same step. Returns
+        the logits row of each sampling row (a request verifying k drafts has k + 1)."""
+        starts, at = [], 0
+        for req in samplers:
+            starts.append(at)
+            at += 1 + len(req.draft_tokens)
+        rows = list(range(at))
         out = list(samplers)
         for i, leader in enumerate(samplers):
             if not leader.followers or leader.output_ids:
@@ -159,7 +209,7 @@ class StepLoop:
                 if self.kv.fork(leader, follower):
                     self.scheduler.start_running(follower)
                     self._note_admission(follower)
-                    rows.append(i)
+                    rows.append(starts[i])  # a leader finishing its prompt has no drafts: one row
                     out.append(follower)
             leader.followers = []
         return rows, out

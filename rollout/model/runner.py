@@ -60,6 +60,8 @@ class ModelRunner:
                 input_ids.append(0)
             elif n == 1 and req.output_ids and end == req.seq_len:
                 input_ids.append(req.output_ids[-1])  # decode: skip building all_ids
+            elif req.draft_tokens:  # verify: the last token, then the drafts
+                input_ids.extend(req.all_ids[start:] + req.draft_tokens)
             else:
                 input_ids.extend(req.all_ids[start:end])
             row = self.table_np[req.req_pool_idx]
@@ -68,8 +70,8 @@ class ModelRunner:
             kv_parts.append(row[:end])
             seq_lens.append(end)
             num_tokens += n
-            if batch.produces_token(i):
-                logits_indices.append(num_tokens - 1)
+            if batch.produces_token(i):  # one row per draft position, plus the last
+                logits_indices.extend(range(num_tokens - 1 - len(req.draft_tokens), num_tokens))
         return self._finish(
             torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(np.concatenate(positions)),
             torch.from_numpy(np.concatenate(out_locs)), torch.from_numpy(np.concatenate(kv_parts)),

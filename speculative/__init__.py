@@ -1,0 +1,33 @@
+"""Speculative decoding for rollouts: drafters propose tokens, the engine verifies them.
+
+A drafter proposes up to k tokens per running request each step (`base.Drafter`); the engine
+computes the last token and the drafts in one forward and samples every position with that
+position's own seeded noise, so the run it emits (the drafts that match what it drew, then
+the first token that does not) is exactly what plain decoding would have drawn: the output
+distribution, the tokens for a given seed and the log-probs are the target model's.
+
+- `ngram.NgramDrafter`: prompt lookup in the request's own tokens.
+- `suffix.SuffixDrafter`: the longest suffix match in the request, its running siblings (the
+  other samples of its prompt) and earlier rollouts of the same prompt (a bounded history).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.config import EngineConfig
+    from speculative.base import Drafter
+
+
+def make_drafter(config: EngineConfig, context_len: int) -> Drafter | None:
+    if config.speculative is None:
+        return None
+    if config.speculative == "ngram":
+        from speculative.ngram import NgramDrafter
+
+        return NgramDrafter(config.num_speculative_tokens, context_len)
+    from speculative.suffix import SuffixDrafter
+
+    return SuffixDrafter(config.num_speculative_tokens, context_len, config.speculative_history_tokens,
+                         keep_on_update=config.speculative_keep_history_on_update)

@@ -1,0 +1,65 @@
+"""The drafter interface, and the per-request draft length policy every drafter shares.
+
+A drafter sees CPU state only (token ids of requests); it never touches the device. The
+engine asks it for drafts before each step (`propose_all`), tells it how each verification
+went (`observe_step`) and when a request finishes (`observe_finished`, for history).
+
+Draft length adapts per request: it grows by one after a fully accepted run and halves
+after a fully rejected one; a request whose drafts keep failing stops drafting for a while,
+then tries again. So speculation costs a request little when its continuation cannot be
+guessed (a verify step reads the weights once, as a decode does; its extra work is the
+rejected positions).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from rollout.request import Req
+
+PAUSE_STEPS = 16  # steps a request waits before drafting again after its length fell to 0
+
+
+class Drafter(ABC):
+    def __init__(self, max_tokens: int, context_len: int) -> None:
+        self.max_tokens = max_tokens
+        self.context_len = context_len
+
+    def propose_all(self, running: list[Req]) -> None:
+        """Set `draft_tokens` on every running request that is decoding this step."""
+        self.begin_step(running)
+        for req in running:
+            req.draft_tokens = []
+            if not req.output_ids or req.num_inflight or req.num_computed_tokens != req.seq_len - 1:
+                continue  # prefilling, or its last token is not known on the host
+            if req.spec_pause > 0:
+                req.spec_pause -= 1
+                continue
+            if req.spec_k < 0:
+                req.spec_k = self.max_tokens
+            # accepting every draft and the token after them must fit the request's limits
+            k = min(req.spec_k, req.params.max_new_tokens - len(req.output_ids) - 1,
+                    self.context_len - req.known_len - 1)
+            if k > 0:
+                req.draft_tokens = self.propose(req, k)[:k]
+
+    def begin_step(self, running: list[Req]) -> None:
+        """Before the step's proposals (a drafter that looks across requests indexes them here)."""
+
+    @abstractmethod
+    def propose(self, req: Req, k: int) -> list[int]:
+        """Up to k tokens that may follow `req.all_ids` (empty: no guess)."""
+
+    def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
+        if accepted == drafted:
+            req.spec_k = min(self.max_tokens, req.spec_k + 1)
+        elif accepted == 0:
+            req.spec_k //= 2
+            if req.spec_k == 0:
+                req.spec_k, req.spec_pause = 1, PAUSE_STEPS
+
+    def observe_finished(self, req: Req) -> None:
+        """A request finished (its tokens may draft for later requests)."""
+
+    def on_weight_update(self) -> None:
+        """The policy changed (drafters holding history decide whether to keep it)."""

@@ -1,0 +1,124 @@
+"""Speculative decoding in the engine (CPU, float32, tiny checkpoints): greedy tokens equal
+plain decoding and transformers, with raw log-probs within 1e-4; sampled tokens equal plain
+decoding for the same seeds, even under a drafter that is wrong almost always (so rejection
+runs on nearly every step): verification draws each position with that position's own
+noise, which makes the output identical, not just identically distributed; tight KV with
+retraction and n = 8 forks; LoRA adapters; a weight update in between; stats."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import TinyModel, make_prompts
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.request import Req
+from speculative.base import Drafter
+
+NEW = 16
+
+
+def _repetitive(vocab: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(2, 4))] * rng.randint(3, 6) for _ in range(count)]
+
+
+class WrongDrafter(Drafter):
+    """Proposes random tokens: nearly every draft is rejected."""
+
+    def __init__(self, vocab: int, k: int) -> None:
+        super().__init__(k, 10_000)
+        self.rng, self.vocab = random.Random(0), vocab
+
+    def propose(self, req: Req, k: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(k)]
+
+    def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
+        pass  # keep drafting at full length: the test wants rejections
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_equals_plain_decoding_and_transformers(tiny_model: TinyModel, drafter: str, page_size: int) -> None:
+    prompts = _repetitive(tiny_model.vocab_size, 5, seed=70) + make_prompts(tiny_model.vocab_size, [7, 12], seed=71)
+    params = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True, logprobs_mode="raw")
+    engine = Engine(EngineConfig(model=tiny_model.path, page_size=page_size, speculative=drafter))
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == tiny_model.greedy(prompt, NEW)
+        assert torch.allclose(torch.tensor(out.logprobs), tiny_model.logprobs(prompt, out.token_ids), atol=1e-4)
+    stats = engine.stats()
+    assert stats.counters["verify_steps"] > 0 and stats.counters["accepted_tokens"] > 0
+    assert 0 < stats.draft_acceptance_rate <= 1 and stats.mean_accepted_length > 0
+    engine.flush_cache()
+    assert engine.kv.used_slots() == 0, "rolled-back KV leaked"
+
+
+def test_sampled_tokens_equal_plain_decoding_under_a_wrong_drafter(llama: TinyModel) -> None:
+    """The two-sample check, in its strongest form: for 64 seeds (x top-p / top-k / min-p
+    settings) the speculative engine emits exactly the plain engine's sequences, although
+    almost every draft it verifies is rejected."""
+    prompts = make_prompts(llama.vocab_size, [4, 9, 6, 11], seed=72)
+    settings = [SamplingParams(temperature=1.0, max_new_tokens=12, seed=s, ignore_eos=True, n=2,
+                               top_p=[1.0, 0.8][s % 2], top_k=[-1, 20][s // 2 % 2], min_p=[0.0, 0.05][s // 4 % 2])
+                for s in range(16)]
+    plain = Engine(EngineConfig(model=llama.path))
+    spec = Engine(EngineConfig(model=llama.path, speculative="ngram"))
+    spec.drafter = spec.loop.drafter = WrongDrafter(llama.vocab_size, 3)
+    for params in settings:
+        a = plain.generate(input_ids=prompts, sampling_params=params)
+        b = spec.generate(input_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in b] == [o.token_ids for o in a]
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    c = spec.counters
+    assert c.drafted_tokens > 1000 and c.accepted_tokens < 0.05 * c.drafted_tokens, (c.drafted_tokens, c.accepted_tokens)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_tight_kv_retraction_and_forks(llama: TinyModel, drafter: str) -> None:
+    prompts = _repetitive(llama.vocab_size, 4, seed=73)
+    # greedy samples follow the repeating pattern (drafts accepted); sampled ones rarely do
+    params = [SamplingParams(temperature=t, max_new_tokens=20, seed=9, n=8, ignore_eos=True) for t in (0.0, 1.0, 0.0, 1.0)]
+    want = Engine(EngineConfig(model=llama.path, page_size=4)).generate(input_ids=prompts, sampling_params=params)
+    tight = Engine(EngineConfig(model=llama.path, page_size=4, max_total_tokens=240, speculative=drafter))
+    got = tight.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert tight.counters.retractions > 0 and tight.counters.verify_steps > 0
+    tight.flush_cache()
+    assert tight.kv.used_slots() == 0 and tight.kv.allocator.num_free_pages == tight.kv.allocator.num_pages - 1
+
+
+def _adapter(llama: TinyModel, seed: int) -> dict[str, torch.Tensor]:
+    cfg, g = llama.hf.config, torch.Generator().manual_seed(seed)
+    h = cfg.hidden_size
+    out = {}
+    for layer in range(cfg.num_hidden_layers):
+        name = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        out[f"{name}.lora_A.weight"] = torch.randn(4, h, generator=g) * 0.3
+        out[f"{name}.lora_B.weight"] = torch.randn(h, 4, generator=g) * 0.3
+    return out
+
+
+def test_lora_requests_and_weight_updates_keep_outputs_exact(llama: TinyModel) -> None:
+    """Drafts run under each request's adapter (the suffix drafter keeps one history per
+    adapter); a weight update between rounds changes nothing about exactness."""
+    prompts = _repetitive(llama.vocab_size, 4, seed=74)
+    names = ["a", None, "a", None]
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=4, n=2, ignore_eos=True)
+    engines = []
+    for spec in (None, "suffix"):
+        engine = Engine(EngineConfig(model=llama.path, enable_lora=True, max_lora_rank=8, speculative=spec))
+        engine.load_lora_adapter("a", tensors=_adapter(llama, 1), config=dict(r=4, lora_alpha=8, target_modules=["q_proj"]))
+        engines.append(engine)
+    plain, spec = engines
+    for round_ in range(2):
+        a = plain.generate(input_ids=prompts, sampling_params=params, lora_name=names)
+        b = spec.generate(input_ids=prompts, sampling_params=params, lora_name=names)
+        assert [o.token_ids for o in b] == [o.token_ids for o in a], round_
+        weights = [("model.norm.weight", llama.hf.model.norm.weight.detach() * (1.1 + round_))]
+        plain.update_weights(weights)
+        spec.update_weights(weights)
+    assert spec.counters.accepted_tokens > 0
