@@ -68,6 +68,9 @@ class EngineConfig:
     # survive a weight update (rollouts of the previous policy still draft well in RL)
     speculative_history_tokens: int = 4_000_000
     speculative_keep_history_on_update: bool = True
+    # measure steps with drafting on and off and keep it off while plain decoding is faster
+    # (speculative/governor.py); False: always draft (benchmarks of raw speculation)
+    speculative_governor: bool = True
     # which of q/k/v/o/gate/up/down_proj adapters may target (slots are allocated for these)
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -120,6 +123,7 @@ class EngineConfig:
         check_int(self.num_speculative_tokens, f + "num_speculative_tokens", min=1, max=64)
         check_int(self.speculative_history_tokens, f + "speculative_history_tokens", min=0)
         check_bool(self.speculative_keep_history_on_update, f + "speculative_keep_history_on_update")
+        check_bool(self.speculative_governor, f + "speculative_governor")
         if self.attention not in _ATTENTION:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
 

@@ -23,11 +23,16 @@ if TYPE_CHECKING:
 def make_drafter(config: EngineConfig, context_len: int) -> Drafter | None:
     if config.speculative is None:
         return None
+    drafter: Drafter
     if config.speculative == "ngram":
         from speculative.ngram import NgramDrafter
 
-        return NgramDrafter(config.num_speculative_tokens, context_len)
-    from speculative.suffix import SuffixDrafter
+        drafter = NgramDrafter(config.num_speculative_tokens, context_len)
+    else:
+        from speculative.suffix import SuffixDrafter
 
-    return SuffixDrafter(config.num_speculative_tokens, context_len, config.speculative_history_tokens,
-                         keep_on_update=config.speculative_keep_history_on_update)
+        drafter = SuffixDrafter(config.num_speculative_tokens, context_len, config.speculative_history_tokens,
+                                keep_on_update=config.speculative_keep_history_on_update)
+    if not config.speculative_governor:
+        drafter.governor = None
+    return drafter

@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from rollout.request import Req
+from speculative.governor import SpeedGovernor
 
 PAUSE_STEPS = 16  # steps a request waits before drafting again after its length fell to 0
 
@@ -24,12 +25,16 @@ class Drafter(ABC):
     def __init__(self, max_tokens: int, context_len: int) -> None:
         self.max_tokens = max_tokens
         self.context_len = context_len
+        self.governor: SpeedGovernor | None = SpeedGovernor()  # None: always draft
 
     def propose_all(self, running: list[Req]) -> None:
         """Set `draft_tokens` on every running request that is decoding this step."""
-        self.begin_step(running)
         for req in running:
             req.draft_tokens = []
+        if self.governor is not None and not self.governor.drafting:
+            return  # plain decoding is faster right now (governor.py)
+        self.begin_step(running)
+        for req in running:
             if not req.output_ids or req.num_inflight or req.num_computed_tokens != req.seq_len - 1:
                 continue  # prefilling, or its last token is not known on the host
             if req.spec_pause > 0:
@@ -49,6 +54,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, req: Req, k: int) -> list[int]:
         """Up to k tokens that may follow `req.all_ids` (empty: no guess)."""
+
+    def observe_speed(self, seconds: float, tokens: int) -> None:
+        """One engine step's wall time and emitted tokens (for the governor)."""
+        if self.governor is not None:
+            self.governor.observe(seconds, tokens)
 
     def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
         if accepted == drafted:

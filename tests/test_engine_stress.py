@@ -51,6 +51,7 @@ def _run_workload(llama: TinyModel, seed: int, mode: str):
         model=llama.path, page_size=page_size, enable_radix_cache=rng.random() < 0.7,
         max_total_tokens=(128 if page_size == 16 else 80), max_prefill_tokens=rng.choice([16, 32, 64]),
         max_running_requests=rng.choice([2, 4, 16]), overlap_schedule=mode == "overlap", speculative=speculative,
+        speculative_governor=False,
     ))
     ids = [tight.add_request(p, s, request_id=f"r{i}") for i, (p, s) in enumerate(items)]
     victim = rng.choice(ids)[0]

@@ -8,6 +8,7 @@ before step t's tokens are read back, so host work hides behind device work.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,7 @@ class StepLoop:
         """One scheduler -> model -> sampler step; returns the requests that finished (with
         overlap scheduling, those of the previous step)."""
         finished: list[RolloutOutput] = []
+        start, generated = time.perf_counter(), self.counters.generated_tokens
         if self.drafter is not None:
             self.drafter.propose_all(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -67,6 +69,8 @@ class StepLoop:
             finished = self.read_back(launched)
         if batch is not None:
             self.counters.steps += 1
+            if self.drafter is not None:  # overlap is off: this step's tokens are read back
+                self.drafter.observe_speed(time.perf_counter() - start, self.counters.generated_tokens - generated)
         return finished
 
     def drain(self) -> list[RolloutOutput]:

@@ -96,3 +96,22 @@ def test_history_is_bounded_and_cleared_on_update_when_asked() -> None:
     keep.observe_finished(_req([1], [2, 3, 4]))
     keep.on_weight_update()
     assert keep.history.num_tokens == 4
+
+
+def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_again() -> None:
+    from speculative.governor import SpeedGovernor
+
+    gov = SpeedGovernor(window=2)
+
+    def run(windows: int, spec_rate: float, plain_rate: float) -> list[bool]:
+        modes = []
+        for _ in range(windows * 2):
+            modes.append(gov.drafting)
+            gov.observe(1.0, int(spec_rate if gov.drafting else plain_rate))
+        return modes[::2]
+
+    assert run(2, 100, 50) == [True, False]  # first speculative window, then the baseline
+    assert run(3, 100, 50) == [True, True, True], "speculation wins: it stays on"
+    modes = run(12, 30, 50)  # conditions change: now plain decoding is faster
+    assert modes.count(False) > modes.count(True) >= 2, modes  # off most of the time, probed now and then
+    assert run(12, 100, 50)[-4:] == [True] * 4, "when speculation wins again it comes back"

@@ -44,7 +44,7 @@ class WrongDrafter(Drafter):
 def test_greedy_equals_plain_decoding_and_transformers(tiny_model: TinyModel, drafter: str, page_size: int) -> None:
     prompts = _repetitive(tiny_model.vocab_size, 5, seed=70) + make_prompts(tiny_model.vocab_size, [7, 12], seed=71)
     params = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True, logprobs_mode="raw")
-    engine = Engine(EngineConfig(model=tiny_model.path, page_size=page_size, speculative=drafter))
+    engine = Engine(EngineConfig(model=tiny_model.path, page_size=page_size, speculative=drafter, speculative_governor=False))
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     for out, prompt in zip(outs, prompts):
         assert out.token_ids == tiny_model.greedy(prompt, NEW)
@@ -67,6 +67,7 @@ def test_sampled_tokens_equal_plain_decoding_under_a_wrong_drafter(llama: TinyMo
     plain = Engine(EngineConfig(model=llama.path))
     spec = Engine(EngineConfig(model=llama.path, speculative="ngram"))
     spec.drafter = spec.loop.drafter = WrongDrafter(llama.vocab_size, 3)
+    spec.drafter.governor = None  # keep verifying wrong drafts: the test wants rejections
     for params in settings:
         a = plain.generate(input_ids=prompts, sampling_params=params)
         b = spec.generate(input_ids=prompts, sampling_params=params)
@@ -83,7 +84,7 @@ def test_tight_kv_retraction_and_forks(llama: TinyModel, drafter: str) -> None:
     # greedy samples follow the repeating pattern (drafts accepted); sampled ones rarely do
     params = [SamplingParams(temperature=t, max_new_tokens=20, seed=9, n=8, ignore_eos=True) for t in (0.0, 1.0, 0.0, 1.0)]
     want = Engine(EngineConfig(model=llama.path, page_size=4)).generate(input_ids=prompts, sampling_params=params)
-    tight = Engine(EngineConfig(model=llama.path, page_size=4, max_total_tokens=240, speculative=drafter))
+    tight = Engine(EngineConfig(model=llama.path, page_size=4, max_total_tokens=240, speculative=drafter, speculative_governor=False))
     got = tight.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert tight.counters.retractions > 0 and tight.counters.verify_steps > 0
@@ -110,7 +111,8 @@ def test_lora_requests_and_weight_updates_keep_outputs_exact(llama: TinyModel) -
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=4, n=2, ignore_eos=True)
     engines = []
     for spec in (None, "suffix"):
-        engine = Engine(EngineConfig(model=llama.path, enable_lora=True, max_lora_rank=8, speculative=spec))
+        engine = Engine(EngineConfig(model=llama.path, enable_lora=True, max_lora_rank=8, speculative=spec,
+                                     speculative_governor=False))
         engine.load_lora_adapter("a", tensors=_adapter(llama, 1), config=dict(r=4, lora_alpha=8, target_modules=["q_proj"]))
         engines.append(engine)
     plain, spec = engines
