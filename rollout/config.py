@@ -15,7 +15,7 @@ from rollout.validate import check_bool, check_float, check_int, check_str
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "torch", "triton", "flashinfer")
 _POLICIES = ("fcfs", "lpm")
-_SPECULATIVE = (None, "ngram", "suffix")
+_SPECULATIVE = (None, "ngram", "suffix", "draft")
 _LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -58,12 +58,18 @@ class EngineConfig:
     max_loras_per_batch: int = 8  # device slots = most distinct adapters in one step
     max_lora_rank: int = 64
     max_loaded_loras: int | None = None  # adapters held in host memory; None: no limit
-    # Speculative decoding (speculative/): "ngram" (lookup in the request's own tokens) or
-    # "suffix" (the request and earlier rollouts of the same prompt), num_speculative_tokens
-    # drafts per step at most (adapted per request, down to none, to its acceptance).
-    # Verification is exact: a request emits what plain decoding would have drawn.
+    # Speculative decoding (speculative/): "ngram" (lookup in the request's own tokens),
+    # "suffix" (the request and earlier rollouts of the same prompt) or "draft" (a small model,
+    # `draft_model`, sharing the target's tokenizer), num_speculative_tokens drafts per step at
+    # most (adapted per request, down to none, to its acceptance). Verification is exact: a
+    # request emits what plain decoding would have drawn.
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    draft_model: str | None = None  # HF checkpoint dir of the draft model (speculative="draft")
+    # the trainer syncs the draft model too (update_weights(..., target="draft") or "draft."
+    # names): drafting pauses after a target update until the draft's arrives, never drafting
+    # from a stale policy; False: the draft is a fixed model that keeps drafting
+    speculative_draft_sync: bool = True
     # suffix drafter: tokens of earlier rollouts kept (LRU over prompts), and whether they
     # survive a weight update (rollouts of the previous policy still draft well in RL)
     speculative_history_tokens: int = 4_000_000
@@ -121,6 +127,14 @@ class EngineConfig:
         if self.speculative not in _SPECULATIVE:
             raise ValueError(f"{f}speculative={self.speculative!r}: expected one of {_SPECULATIVE}")
         check_int(self.num_speculative_tokens, f + "num_speculative_tokens", min=1, max=64)
+        check_bool(self.speculative_draft_sync, f + "speculative_draft_sync")
+        if self.draft_model is not None:
+            if not isinstance(self.draft_model, (str, PathLike)) or not str(self.draft_model):
+                raise ValueError(f"{f}draft_model={self.draft_model!r}: expected a checkpoint directory")
+            object.__setattr__(self, "draft_model", str(self.draft_model))
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError(f"{f}draft_model={self.draft_model!r} with speculative={self.speculative!r}: a draft "
+                             "model is given exactly when speculative='draft'")
         check_int(self.speculative_history_tokens, f + "speculative_history_tokens", min=0)
         check_bool(self.speculative_keep_history_on_update, f + "speculative_keep_history_on_update")
         check_bool(self.speculative_governor, f + "speculative_governor")

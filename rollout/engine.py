@@ -55,7 +55,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.weight_version = 0
         self.counters = Counters()
         self.outputs = Outputs(self.tokenizer, self.eos_token_ids, self.context_len)
-        self.drafter = make_drafter(config, self.context_len)
+        self.draft = parts.draft  # speculative="draft": the draft model's runner
+        self.drafter = make_drafter(config, self.context_len, self.draft)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,
                              self.model_config.vocab_size, config.overlap, self.drafter)
         limits = Limits(self.model_config.vocab_size, self.context_len, self.kv.capacity - config.page_size)
@@ -64,7 +65,9 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
                              fork_samples=self.kv.tree is not None, lora=self.lora)
         self._pending: list[RolloutOutput] = []  # finished outputs not yet handed out
         self.memory = MemorySaver(self.model, [*self.kv_pool.k_buffers, *self.kv_pool.v_buffers],
-                                  self.lora.device_tensors() if self.lora is not None else [], self.device)
+                                  self.lora.device_tensors() if self.lora is not None else [], self.device,
+                                  draft=self.draft.model if self.draft is not None else None,
+                                  draft_kv=self.draft.kv_tensors() if self.draft is not None else [])
 
     # ---- requests in ------------------------------------------------------------------
     def add_request(
@@ -175,8 +178,13 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         *,
         full: bool = False,
         pause_mode: str = "retract",
+        target: str = "model",
     ) -> int:
         """Replace weights in place from (HF name, tensor) pairs; returns the new version.
+
+        `target="draft"` updates the draft model (speculative="draft") instead; with the
+        default target, tensors named "draft.<HF name>" go to the draft in the same atomic
+        update. A draft-only update keeps the weight version (the policy did not change).
 
         Everything is validated before anything is written: a bad update raises (naming
         the parameter) and the old weights keep serving. Then in-flight requests are
@@ -191,17 +199,42 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             raise RuntimeError("update_weights: the weights are asleep; wake(['weights']) first")
         if self.memory.weights_discarded and not full:
             raise ValueError("update_weights: sleep(level=2) discarded the weights; the next update must be full=True")
-        writes = plan_writes(self.model, named_tensor_list(named_tensors), full=full)
-        self._pause(pause_mode)
-        apply_writes(writes)
+        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
+        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs and self.draft is not None else None
+        writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
+        if writes is not None:
+            self._pause(pause_mode)
+        if draft_writes is not None:  # between steps the draft holds no step's work: no pause
+            apply_writes(draft_writes)
+        if writes is not None:
+            apply_writes(writes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.kv.flush()
-        if self.drafter is not None:
-            self.drafter.on_weight_update()
-        self.memory.weights_discarded = False
-        self.weight_version += 1
+        if writes is not None:
+            self.kv.flush()
+            if self.drafter is not None:
+                self.drafter.on_weight_update()
+            self.memory.weights_discarded = False
+            self.weight_version += 1
+        if draft_writes is not None:
+            self.drafter.on_draft_update(self.weight_version)  # type: ignore[union-attr]
         return self.weight_version
+
+    def _split_draft(self, pairs: list, target: str) -> tuple[list, list]:
+        """(the target's tensors, the draft's): by `target`, or by the "draft." name prefix."""
+        if target not in ("model", "draft"):
+            raise ValueError(f"update_weights: target={target!r}: expected 'model' or 'draft'")
+        if target == "draft":
+            mine, draft = [], pairs
+        else:
+            mine = [(n, t) for n, t in pairs if not n.startswith("draft.")]
+            draft = [(n[len("draft."):], t) for n, t in pairs if n.startswith("draft.")]
+        if draft and self.draft is None:
+            raise ValueError(f"update_weights: {'target=' + repr(target) if target == 'draft' else repr(pairs[0][0])}"
+                             " names the draft model, and this engine has none (speculative='draft')")
+        if target == "draft" and not draft:
+            raise ValueError("update_weights(target='draft'): no tensors given")
+        return mine, draft
 
     # ---- sleep / wake -----------------------------------------------------------------
     def sleep(self, level: int = 1) -> SleepStats:
@@ -221,6 +254,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if self.lora is not None:
             self.lora.evict_all()
         self.runner.graphs, self.runner.backend = None, None
+        if self.drafter is not None:
+            self.drafter.release()  # a draft model's sequences, graphs and backend
         self.memory.release_kv()
         self.memory.release_weights(level)
         self.memory.empty_cache()
@@ -246,6 +281,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             start = time.perf_counter()
             self.memory.restore_kv()
             attach_backend(self.config, self.model_config, self.runner, self.kv_pool, min(self.context_len, self.kv.capacity))
+            if self.draft is not None:
+                self.draft.attach()
             self.memory.stats.wake_seconds["kv_cache"] = time.perf_counter() - start
         if not self.memory.asleep:
             self.memory.stats.level = 0
@@ -273,6 +310,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             counters=dict(vars(c)),
             mean_accepted_length=c.accepted_tokens / c.verify_steps if c.verify_steps else 0.0,
             draft_acceptance_rate=c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0,
+            draft_weight_version=self.drafter.weight_version if self.draft is not None else None,  # type: ignore[union-attr]
+            draft_stale=bool(getattr(self.drafter, "stale", False)),
         )
 
     def flush_cache(self) -> None:

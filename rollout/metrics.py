@@ -41,6 +41,10 @@ class EngineStats:
     # is this + 1), and the share of drafted tokens accepted
     mean_accepted_length: float = 0.0
     draft_acceptance_rate: float = 0.0
+    # speculative="draft": the weight version the draft model was last synced at, and whether
+    # drafting is paused because the target moved on without it
+    draft_weight_version: int | None = None
+    draft_stale: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -55,22 +55,28 @@ class WeightUpdatesMixin:
         self._sync_group = open_group(master_addr, master_port, rank_offset, world_size, backend=backend,
                                       timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device)
 
-    def _apply_update(self, lora_name: str | None, full: bool, pause_mode: str) -> Callable[[Iterable], int]:
-        """Where a received stream goes: the base weights, or (LoRA-only sync: the trainer
-        sends `iter_hf_weights(peft_model, adapter_only=True)`, a few MB) one adapter."""
+    def _apply_update(self, lora_name: str | None, full: bool, pause_mode: str,
+                      target: str = "model") -> Callable[[Iterable], int]:
+        """Where a received stream goes: the base weights (or the draft model's, `target=
+        "draft"`), or (LoRA-only sync: the trainer sends `iter_hf_weights(peft_model,
+        adapter_only=True)`, a few MB) one adapter."""
+        if target not in ("model", "draft"):
+            raise ValueError(f"target={target!r}: expected 'model' or 'draft'")
         if lora_name is None:
-            return lambda stream: self.update_weights(stream, full=full, pause_mode=pause_mode)  # type: ignore[attr-defined]
+            return lambda stream: self.update_weights(stream, full=full, pause_mode=pause_mode, target=target)  # type: ignore[attr-defined]
+        if target != "model":
+            raise ValueError("lora_name and target='draft' together: an adapter belongs to the target model")
         check_str(lora_name, "lora_name")
         return lambda stream: self.update_lora_adapter(lora_name, stream, pause_mode=pause_mode)  # type: ignore[attr-defined]
 
     def update_weights_from_distributed(self, *, full: bool = True, pause_mode: str = "retract",
-                                        lora_name: str | None = None) -> int:
+                                        lora_name: str | None = None, target: str = "model") -> int:
         """Receive one broadcast update from the trainer (it calls BroadcastSender.send)."""
         from weightsync.transports.broadcast import receive
 
         if self._sync_group is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync_group() first")
-        apply = self._apply_update(lora_name, full, pause_mode)
+        apply = self._apply_update(lora_name, full, pause_mode, target)
         return apply(receive(self._sync_group, device=self.device))  # type: ignore[attr-defined]
 
     def destroy_weight_sync_group(self) -> None:
@@ -81,13 +87,13 @@ class WeightUpdatesMixin:
             close_group(group)
 
     def update_weights_from_ipc(self, endpoint: str, *, full: bool = True, pause_mode: str = "retract",
-                                timeout_s: float = 300.0, lora_name: str | None = None) -> int:
+                                timeout_s: float = 300.0, lora_name: str | None = None, target: str = "model") -> int:
         """Serve one CUDA IPC update on `endpoint` (loopback tcp or ipc://); the trainer's
         CudaIpcSender.send() returns the new version or raises with the engine's error."""
         from weightsync.transports.cuda_ipc import CudaIpcReceiver
 
         check_str(endpoint, "endpoint")
-        apply = self._apply_update(lora_name, full, pause_mode)
+        apply = self._apply_update(lora_name, full, pause_mode, target)
         receiver = CudaIpcReceiver(endpoint, device=self.device, timeout_s=timeout_s)  # type: ignore[attr-defined]
         try:
             return receiver.serve_once(apply)
@@ -95,14 +101,14 @@ class WeightUpdatesMixin:
             receiver.close()
 
     def update_weights_from_disk(self, path: str | Path, *, full: bool = True, pause_mode: str = "retract",
-                                 lora_name: str | None = None) -> int:
+                                 lora_name: str | None = None, target: str = "model") -> int:
         """Load an update from a safetensors directory (with or without an index), or with
         `lora_name` an adapter's new tensors from a PEFT directory (save_pretrained)."""
         from rollout.model.loader import iter_checkpoint
 
         if not isinstance(path, (str, Path)) or not Path(path).is_dir():
             raise ValueError(f"update_weights_from_disk: path={path!r} is not a directory")
-        apply = self._apply_update(lora_name, full, pause_mode)
+        apply = self._apply_update(lora_name, full, pause_mode, target)
         if lora_name is not None:
             from lora.adapter import load_adapter_dir
 

@@ -9,6 +9,8 @@ distribution, the tokens for a given seed and the log-probs are the target model
 - `ngram.NgramDrafter`: prompt lookup in the request's own tokens.
 - `suffix.SuffixDrafter`: the longest suffix match in the request, its running siblings (the
   other samples of its prompt) and earlier rollouts of the same prompt (a bounded history).
+- `draft_model.DraftModelDrafter`: a small model sharing the tokenizer, with its own KV pool
+  and decode graphs (draft_runner.py), synced by the same weight-update calls.
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rollout.config import EngineConfig
     from speculative.base import Drafter
+    from speculative.draft_runner import DraftRunner
 
 
-def make_drafter(config: EngineConfig, context_len: int) -> Drafter | None:
+def make_drafter(config: EngineConfig, context_len: int, draft: DraftRunner | None = None) -> Drafter | None:
     if config.speculative is None:
         return None
     drafter: Drafter
-    if config.speculative == "ngram":
+    if config.speculative == "draft":
+        from speculative.draft_model import DraftModelDrafter
+
+        assert draft is not None, "build_parts makes the draft runner"
+        drafter = DraftModelDrafter(draft, config.num_speculative_tokens, context_len, config.max_prefill_tokens,
+                                    follow_updates=config.speculative_draft_sync)
+    elif config.speculative == "ngram":
         from speculative.ngram import NgramDrafter
 
         drafter = NgramDrafter(config.num_speculative_tokens, context_len)

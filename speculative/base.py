@@ -34,6 +34,7 @@ class Drafter(ABC):
         if self.governor is not None and not self.governor.drafting:
             return  # plain decoding is faster right now (governor.py)
         self.begin_step(running)
+        wanted: list[tuple[Req, int]] = []
         for req in running:
             if not req.output_ids or req.num_inflight or req.num_computed_tokens != req.seq_len - 1:
                 continue  # prefilling, or its last token is not known on the host
@@ -46,10 +47,17 @@ class Drafter(ABC):
             k = min(req.spec_k, req.params.max_new_tokens - len(req.output_ids) - 1,
                     self.context_len - req.known_len - 1)
             if k > 0:
-                req.draft_tokens = self.propose(req, k)[:k]
+                wanted.append((req, k))
+        for (req, k), drafts in zip(wanted, self.propose_batch(wanted)):
+            req.draft_tokens = drafts[:k]
 
     def begin_step(self, running: list[Req]) -> None:
         """Before the step's proposals (a drafter that looks across requests indexes them here)."""
+
+    def propose_batch(self, wanted: list[tuple[Req, int]]) -> list[list[int]]:
+        """Drafts for every (request, k) of this step; a drafter that runs a model batches
+        them here, the others answer one request at a time."""
+        return [self.propose(req, k) for req, k in wanted]
 
     @abstractmethod
     def propose(self, req: Req, k: int) -> list[int]:
@@ -73,3 +81,6 @@ class Drafter(ABC):
 
     def on_weight_update(self) -> None:
         """The policy changed (drafters holding history decide whether to keep it)."""
+
+    def release(self) -> None:
+        """Drop every device resource tied to requests (the engine goes to sleep)."""

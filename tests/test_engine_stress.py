@@ -33,7 +33,7 @@ def _workload(rng: random.Random, vocab: int, repetitive: bool = False) -> list[
     return items
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap", "ngram", "suffix"])
+@pytest.mark.parametrize("mode", ["sync", "overlap", "ngram", "suffix", "draft"])
 @pytest.mark.parametrize("seed", range(10))
 def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, seed: int, mode: str) -> None:
     _run_workload(llama, seed, mode)
@@ -41,7 +41,7 @@ def test_random_workloads_finish_identically_without_leaks(llama: TinyModel, see
 
 def _run_workload(llama: TinyModel, seed: int, mode: str):
     rng = random.Random(seed)
-    speculative = mode if mode in ("ngram", "suffix") else None
+    speculative = mode if mode in ("ngram", "suffix", "draft") else None
     items = _workload(rng, llama.vocab_size, repetitive=speculative is not None)
     page_size = rng.choice([1, 16])
     roomy = Engine(EngineConfig(model=llama.path, page_size=page_size))
@@ -51,7 +51,7 @@ def _run_workload(llama: TinyModel, seed: int, mode: str):
         model=llama.path, page_size=page_size, enable_radix_cache=rng.random() < 0.7,
         max_total_tokens=(128 if page_size == 16 else 80), max_prefill_tokens=rng.choice([16, 32, 64]),
         max_running_requests=rng.choice([2, 4, 16]), overlap_schedule=mode == "overlap", speculative=speculative,
-        speculative_governor=False,
+        speculative_governor=False, draft_model=llama.path if mode == "draft" else None,  # its own draft: long runs
     ))
     ids = [tight.add_request(p, s, request_id=f"r{i}") for i, (p, s) in enumerate(items)]
     victim = rng.choice(ids)[0]
@@ -78,6 +78,8 @@ def _run_workload(llama: TinyModel, seed: int, mode: str):
     alloc = tight.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages - 1, "KV pages leaked"
     assert tight.kv.req_table.num_free == tight.kv.req_table.max_requests, "request rows leaked"
+    if tight.draft is not None:
+        assert tight.draft.pool.allocator.num_free_slots == tight.draft.capacity, "draft KV leaked"
     return tight.counters
 
 

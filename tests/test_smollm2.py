@@ -77,13 +77,14 @@ def test_stop_strings_and_prompts_text(smollm2) -> None:
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "draft"])
 def test_speculative_greedy_equals_transformers(smollm2, chats, drafter: str) -> None:
     """Speculative decoding on the real model: the same greedy tokens as transformers (and so
     as plain decoding), raw log-probs within 1e-4, a second round drafting from the first."""
     path, _, hf = smollm2
     ids, expected = chats
-    engine = Engine(EngineConfig(model=path, page_size=16, speculative=drafter, speculative_governor=False))
+    engine = Engine(EngineConfig(model=path, page_size=16, speculative=drafter, speculative_governor=False,
+                                 draft_model=path if drafter == "draft" else None))  # the model drafting for itself
     params = SamplingParams(temperature=0, max_new_tokens=NEW, logprobs_mode="raw")
     for _ in range(2):  # the suffix drafter's second round has the first as history
         outs = engine.generate(input_ids=ids, sampling_params=params)

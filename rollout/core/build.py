@@ -29,6 +29,7 @@ from rollout.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from lora.manager import LoraManager
+    from speculative.draft_runner import DraftRunner
 
 log = logging.getLogger("rollout")
 _CPU_DEFAULT_TOKENS = 32768  # KV budget on CPU when max_total_tokens is not given
@@ -47,6 +48,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     lora: LoraManager | None  # adapters and their device slots (EngineConfig.enable_lora)
+    draft: DraftRunner | None  # speculative="draft": the draft model, its KV pool and graphs
 
 
 def check_device(device: str) -> torch.device:
@@ -84,7 +86,13 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
         eos.add(int(tokenizer.eos_token_id))
 
     lora = build_lora(config, cfg, model, device) if config.enable_lora else None
-    max_tokens = config.max_total_tokens or _default_kv_tokens(config, cfg, device)
+    draft = None
+    if config.draft_model is not None:  # before KV sizing: its weights and KV share the budget
+        from speculative.draft_runner import DraftRunner
+
+        draft = DraftRunner(config, cfg, device)
+    extra_per_token = draft.kv_bytes_per_token() if draft is not None else 0
+    max_tokens = config.max_total_tokens or _default_kv_tokens(config, cfg, device, extra_per_token)
     kv_pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_tokens, config.page_size,
                      config.torch_dtype, device)
     table_width = min(context_len, kv_pool.allocator.capacity_slots) + config.page_size
@@ -95,8 +103,12 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
     log.info("KV cache: %d tokens fit (%d pages of %d, %.1f GiB) on %s", kv.capacity,
              kv_pool.allocator.num_pages - 1, config.page_size,
              2 * sum(b.numel() * b.element_size() for b in kv_pool.k_buffers) / 2**30, device)
+    if draft is not None:
+        # as many tokens as the target's pool: the draft holds the same sequences (unshared)
+        draft.make_pool(max_tokens)
+        draft.attach()
     attach_backend(config, cfg, runner, kv_pool, min(context_len, kv.capacity))
-    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora)
+    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft)
 
 
 def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, kv_pool: KVPool, max_context: int) -> None:
@@ -131,10 +143,11 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaModel, device
     return LoraManager(pool, cfg, config.torch_dtype, config.max_lora_rank, config.max_loaded_loras)
 
 
-def _default_kv_tokens(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> int:
+def _default_kv_tokens(config: EngineConfig, cfg: ModelConfig, device: torch.device, extra_per_token: int = 0) -> int:
     if device.type != "cuda":
         return _CPU_DEFAULT_TOKENS
     per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
+    per_token += extra_per_token  # a draft model's KV for the same token
     return max(1024, int(cuda_free_bytes(device) * config.gpu_memory_fraction) // per_token)
 
 

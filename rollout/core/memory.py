@@ -58,10 +58,13 @@ def _release(t: torch.Tensor) -> int:
 
 class MemorySaver:
     def __init__(self, model: nn.Module, kv_tensors: list[torch.Tensor], lora_tensors: list[torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, draft: nn.Module | None = None, draft_kv: list[torch.Tensor] | None = None) -> None:
         self.model = model
+        # a draft model sleeps with the target, but level 2 keeps its host copy: the trainer
+        # may not own (or sync) the draft, so nothing else could refill it
+        self.draft = draft
         self.device = device
-        self.kv_tensors = kv_tensors  # KV pool buffers and LoRA slot buffers: re-made as zeros
+        self.kv_tensors = [*kv_tensors, *(draft_kv or [])]  # KV pool buffers and LoRA slot buffers: re-made as zeros
         self.lora_tensors = lora_tensors
         self.stats = SleepStats()
         self.asleep: set[str] = set()  # tags released and not yet restored
@@ -135,10 +138,14 @@ class MemorySaver:
 
     # ---- helpers ------------------------------------------------------------------------
     def _model_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """(name, tensor, may level 2 discard it): the target's parameters may be discarded."""
         for name, p in self.model.named_parameters():
             yield name, p, True
         for name, b in self.model.named_buffers():
             yield "buffer:" + name, b, False
+        if self.draft is not None:
+            for name, t in (*self.draft.named_parameters(), *self.draft.named_buffers()):
+                yield "draft:" + name, t, False
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
