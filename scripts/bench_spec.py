@@ -93,26 +93,70 @@ def gpu(args) -> None:
         def observe_step(self, req, drafted, accepted):
             pass
 
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+    def step_ms(engine, prompts, new: int = args.new_gpu) -> float:
+        params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+        engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+        sync()
+        start, steps0 = time.perf_counter(), engine.counters.steps
+        engine.generate(input_ids=prompts, sampling_params=params)
+        sync()
+        return 1e3 * (time.perf_counter() - start) / max(engine.counters.steps - steps0 - 1, 1)  # less the prefill
+
     cfg = SHAPES[args.shape]
     path = write_shape_dir(args.shape)
-    engine = Engine(EngineConfig(model=path, dtype="bfloat16", device="cuda", load_format="dummy", page_size=16,
-                                 speculative="ngram", gpu_memory_fraction=0.6))
+    common = dict(dtype="bfloat16" if args.device.startswith("cuda") else "float32", device=args.device,
+                  load_format="dummy", page_size=16, max_running_requests=64, speculative_governor=False)
+    engine = Engine(EngineConfig(model=path, speculative="ngram", gpu_memory_fraction=0.5, **common))
     g = torch.Generator().manual_seed(0)
-    print(f"\n{args.shape}, bf16, {torch.cuda.get_device_name()}: ms per step, context ~512")
-    print(f"{'batch':>5} | {'decode':>7} | " + " | ".join(f"verify k={k}" for k in range(1, 5)))
-    for batch in (1, 16, 64):
-        prompts = torch.randint(100, cfg["vocab_size"] - 100, (batch, 512), generator=g).tolist()
-        times = []
+    batches = tuple(args.batches)
+    prompts = {b: torch.randint(100, cfg["vocab_size"] - 100, (b, args.context), generator=g).tolist() for b in batches}
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"\n{args.shape}, {common['dtype']}, {name}: ms per step, context ~{args.context}; decode with overlap "
+          "scheduling on/off (speculation turns it off); verify k: decode rows (a CUDA graph) / the extend layout")
+    print(f"{'batch':>5} | {'decode on/off':>13} | " + " | ".join(f"verify k={k:<7}" for k in range(1, 5)))
+    table: dict[int, list[float]] = {}
+    for batch in batches:
+        times, eager = [], []
+        engine.drafter = engine.loop.drafter = None
+        engine.loop.overlap = True
+        overlap = step_ms(engine, prompts[batch])
+        engine.loop.overlap = False
         for k in range(0, 5):
             engine.drafter = engine.loop.drafter = FixedDrafter(max(k, 1), 10_000) if k else None
-            engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
-            torch.cuda.synchronize()
-            start, steps0 = time.perf_counter(), engine.counters.steps
-            engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=33, ignore_eos=True))
-            torch.cuda.synchronize()
-            steps = engine.counters.steps - steps0 - 1  # the prefill step
-            times.append(1e3 * (time.perf_counter() - start) / max(steps, 1))
-        print(f"{batch:>5} | {times[0]:>7.2f} | " + " | ".join(f"{t:>10.2f}" for t in times[1:]))
+            engine.drafter and setattr(engine.drafter, "governor", None)
+            engine.runner.verify_rows_max = None
+            times.append(step_ms(engine, prompts[batch]))
+            if k:
+                engine.runner.verify_rows_max = 0
+                eager.append(step_ms(engine, prompts[batch]))
+        table[batch] = [overlap, *times[1:]]  # speedups are against plain decoding as it runs: overlap on
+        print(f"{batch:>5} | {overlap:>6.2f}/{times[0]:<6.2f} | "
+              + " | ".join(f"{t:>6.2f}/{e:<6.2f}" for t, e in zip(times[1:], eager)))
+    print("\nspeedup over plain decoding (overlap on) at a mean accepted length a per verify, best k:")
+    print(f"{'batch':>5} | " + " | ".join(f"a={a:<4}" for a in args.accepted))
+    for batch, times in table.items():
+        cells = []
+        for a in args.accepted:
+            best = max((1 + min(a, k)) * times[0] / times[k] for k in range(1, 5))
+            cells.append(f"{best:>5.2f}x")
+        print(f"{batch:>5} | " + " | ".join(cells))
+    del engine
+    torch.cuda.empty_cache()
+
+    # a draft model of 0.6B shape (Llama-3 vocabulary) against the target: its cost per step
+    draft_path = write_shape_dir(args.draft_shape)
+    engine = Engine(EngineConfig(model=path, speculative="draft", draft_model=draft_path, gpu_memory_fraction=0.5,
+                                 num_speculative_tokens=4, **common))
+    engine.drafter.observe_step = lambda req, drafted, accepted: None  # keep k = 4 (random drafts are rejected)
+    print(f"\ndraft model {args.draft_shape} ({common['dtype']}, decode graphs on CUDA) -> {args.shape}, k = 4: ms per step")
+    print(f"{'batch':>5} | {'draft + verify':>14} | {'verify alone':>12} | {'draft':>6} | {'draft forwards/step':>19}")
+    for batch in batches:
+        f0, s0 = engine.drafter.forwards, engine.counters.steps
+        total = step_ms(engine, prompts[batch])
+        forwards = (engine.drafter.forwards - f0) / max(engine.counters.steps - s0, 1)
+        print(f"{batch:>5} | {total:>14.2f} | {table[batch][4]:>12.2f} | {total - table[batch][4]:>6.2f} | {forwards:>19.1f}")
 
 
 def main() -> None:
@@ -120,6 +164,13 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--shape", default="llama8b")
+    parser.add_argument("--device", default="cuda", help="--gpu: the device (cpu: a smoke run of the GPU table)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--new-gpu", type=int, default=33, help="--gpu: tokens per timed request")
+    parser.add_argument("--draft-shape", default="draft06b")
+    parser.add_argument("--accepted", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0],
+                        help="mean accepted lengths to turn GPU step costs into speedups (measure them on CPU)")
     args = parser.parse_args()
     gpu(args) if args.gpu else cpu(args)
 

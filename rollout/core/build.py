@@ -119,6 +119,8 @@ def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, 
     runner.backend = make_backend(config.attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
     if device.type == "cuda" and config.cuda_graph and runner.backend.graphable:
         max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
+        if config.speculative is not None:  # a verify step replays a decode graph of requests x (1 + k) rows
+            max_bs *= 1 + config.num_speculative_tokens
         start = time.perf_counter()
         runner.capture_decode_graphs(max_bs, max_context)
         log.info("captured decode CUDA graphs for batch sizes up to %d in %.1f s", max_bs, time.perf_counter() - start)

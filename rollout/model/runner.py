@@ -34,6 +34,9 @@ class ModelRunner:
         self.table_np = table.numpy()  # the same memory, for cheap row slicing
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        # Verify steps as decode rows (see _prepare_rows) up to this many rows; None: up to
+        # the largest decode graph (any number without graphs); 0: never (benchmarks)
+        self.verify_rows_max: int | None = None
         # the last token sampled for each request row, on the device (overlap scheduling
         # feeds in-flight tokens from here without a host round trip)
         self.last_tokens = torch.zeros(table.shape[0], dtype=torch.int64, device=device)
@@ -45,6 +48,8 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         if batch.num_decode == len(batch.reqs) and all(r.output_ids or r.num_inflight for r in batch.reqs):
             return self._prepare_decode(batch)
+        if self._verify_as_rows(batch):
+            return self._prepare_rows(batch)
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         out_locs: list[np.ndarray] = []
@@ -95,11 +100,56 @@ class ModelRunner:
             torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens, inflight,
         )
 
+    def _verify_as_rows(self, batch: ScheduledBatch) -> bool:
+        """Is this a step of decodes and verifies only, small enough to run as decode rows?"""
+        limit = self.verify_rows_max
+        if limit is None:
+            limit = self.graphs.max_bs if self.graphs is not None else 1 << 30
+        rows = 0
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            if n != 1 + len(req.draft_tokens) or req.num_inflight or not req.output_ids \
+                    or req.num_computed_tokens + 1 != req.seq_len:
+                return False  # a prefill chunk (or a token in flight): the extend layout
+            rows += n
+        return rows <= limit
+
+    def _prepare_rows(self, batch: ScheduledBatch) -> ForwardBatch:
+        """A verify step laid out as decode rows: position j of a request verifying k drafts
+        is a row of its own whose KV is the request's slots up to and including j. Every
+        layer stores all rows' K/V before attending, so row j sees the drafts before it, as
+        causal attention over the request would; the step is then decode-shaped and replays
+        a decode CUDA graph (of rows = requests x (1 + k)) instead of running eagerly. Each
+        row re-reads its request's KV: cheap next to the weights at the batch sizes graphs cover."""
+        table = self.table_np
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        out_locs: list[np.ndarray] = []
+        kv_parts: list[np.ndarray] = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            row, start = table[req.req_pool_idx], req.num_computed_tokens
+            input_ids.append(req.output_ids[-1])
+            input_ids.extend(req.draft_tokens)
+            out_locs.append(row[start : start + n])
+            for end in range(start + 1, start + n + 1):
+                positions.append(end - 1)
+                seq_lens.append(end)
+                kv_parts.append(row[:end])
+        rows = len(input_ids)
+        return self._finish(  # LoRA segments per request: its rows are contiguous, as in the extend layout
+            torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+            torch.from_numpy(np.concatenate(out_locs)), torch.from_numpy(np.concatenate(kv_parts)),
+            torch.arange(rows, dtype=torch.int64), batch, seq_lens, [], row_lens=[1] * rows,
+        )
+
     def _finish(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_indices: torch.Tensor, logits_indices: torch.Tensor, batch: ScheduledBatch,
-                seq_lens: list[int], inflight: list[tuple[int, int]]) -> ForwardBatch:
+                seq_lens: list[int], inflight: list[tuple[int, int]], row_lens: list[int] | None = None) -> ForwardBatch:
+        """`row_lens`: new tokens per attention row when rows are not the batch's requests
+        (a verify step as decode rows: all decodes)."""
+        extend_lens = list(batch.extend_lens) if row_lens is None else row_lens
         qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        qo_indptr[1:] = torch.tensor(batch.extend_lens, dtype=torch.int32).cumsum(0)
+        qo_indptr[1:] = torch.tensor(extend_lens, dtype=torch.int32).cumsum(0)
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
         dev = self.device
@@ -120,9 +170,9 @@ class ModelRunner:
             kv_indptr=to_dev(kv_indptr),
             kv_indices=to_dev(kv_indices),
             logits_indices=to_dev(logits_indices),
-            extend_lens=list(batch.extend_lens),
+            extend_lens=extend_lens,
             seq_lens=seq_lens,
-            num_decode=batch.num_decode,
+            num_decode=batch.num_decode if row_lens is None else len(row_lens),
             lora=lora,
         )
 

@@ -46,3 +46,10 @@ def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
 def test_bench_sleep_smoke_on_cpu() -> None:
     text = _run("scripts.bench_sleep", "--device", "cpu", "--shape", "tiny", "--cycles", "2")
     assert "2 sleep(1)/wake cycles, outputs equal after each" in text and "wake kv+graphs s" in text
+
+
+def test_bench_spec_gpu_table_smoke_on_cpu() -> None:
+    text = _run("scripts.bench_spec", "--gpu", "--device", "cpu", "--shape", "tiny", "--draft-shape", "tiny",
+                "--batches", "1", "2", "--context", "16", "--new-gpu", "6")
+    for line in ("verify k=4", "speedup over plain decoding", "draft + verify"):
+        assert line in text, text[-1500:]

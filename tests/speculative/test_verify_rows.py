@@ -1,0 +1,93 @@
+"""Verify steps laid out as decode rows (ModelRunner._prepare_rows): the same tokens as the
+extend layout and as transformers; on CPU the decode-graph replay logic runs them through
+the graph twin (Triton under TRITON_INTERPRET=1), on CUDA real graphs give eager's tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from conftest import TinyModel, make_prompts  # noqa: E402
+from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+NEW = 20
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    loops = [[(7 * i + j) % vocab for j in range(3)] * 5 for i in range(3)]  # repetitive: drafts accepted
+    return loops + make_prompts(vocab, [6, 13], seed=90)
+
+
+def _count_rows(engine: Engine) -> list[int]:
+    calls = [0]
+    inner = engine.runner._prepare_rows
+
+    def spy(batch):
+        calls[0] += 1
+        return inner(batch)
+
+    engine.runner._prepare_rows = spy  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_layout_equals_extend_layout(llama: TinyModel, temperature: float) -> None:
+    prompts = _prompts(llama.vocab_size)
+    params = SamplingParams(temperature=temperature, max_new_tokens=NEW, ignore_eos=True, seed=4, n=2)
+    outs = {}
+    for rows_max in (None, 0):
+        engine = Engine(EngineConfig(model=llama.path, speculative="ngram", speculative_governor=False, page_size=16))
+        engine.runner.verify_rows_max = rows_max
+        calls = _count_rows(engine)
+        outs[rows_max] = engine.generate(input_ids=prompts, sampling_params=params)
+        assert (calls[0] > 0) == (rows_max is None)
+        assert engine.stats().counters["verify_steps"] > 0
+    assert [o.token_ids for o in outs[None]] == [o.token_ids for o in outs[0]]
+    for a, b in zip(outs[None], outs[0]):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    if temperature == 0:
+        for out, prompt in zip(outs[None][::2], prompts):
+            assert out.token_ids == llama.greedy(prompt, NEW)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU twin; on CUDA test_real_graphs_verify_like_eager covers it")
+def test_graph_twin_replays_verify_steps(llama: TinyModel) -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    from graph_twin import EagerDecodeGraphs
+
+    prompts = _prompts(llama.vocab_size)[2:]  # one repetitive prompt (long runs), two random (rejections)
+    engine = Engine(EngineConfig(model=llama.path, attention="triton", page_size=16, speculative="ngram",
+                                 speculative_governor=False))
+    # rows up to 3 x (1 + 4): padded up a short ladder (the interpreter is slow)
+    graphs = engine.runner.graphs = EagerDecodeGraphs(engine.model, engine.runner.backend, max_bs=15,
+                                                      max_context=64, device=engine.device)
+    graphs.sizes = [4, 8, 15]
+    graphs.capture()
+    calls = _count_rows(engine)
+    outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=12,
+                                                                             ignore_eos=True))
+    assert [o.token_ids for o in outs] == [llama.greedy(p, 12) for p in prompts]
+    assert calls[0] > 0 and graphs.num_replays >= calls[0]  # every verify step replayed a graph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_real_graphs_verify_like_eager(llama: TinyModel, drafter: str) -> None:
+    prompts = _prompts(llama.vocab_size)
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=3, ignore_eos=True, n=2)
+    kw = dict(device="cuda", max_total_tokens=4096, speculative=drafter, speculative_governor=False,
+              draft_model=llama.path if drafter == "draft" else None)
+    eager = Engine(EngineConfig(model=llama.path, cuda_graph=False, **kw))
+    graphed = Engine(EngineConfig(model=llama.path, cuda_graph_max_bs=16, **kw))
+    a = eager.generate(input_ids=prompts, sampling_params=params)
+    b = graphed.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert graphed.stats().counters["verify_steps"] > 0 and graphed.runner.graphs.num_replays > 0
+    greedy = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
+    assert [o.token_ids for o in graphed.generate(input_ids=prompts, sampling_params=greedy)] == \
+        [llama.greedy(p, NEW) for p in prompts]
