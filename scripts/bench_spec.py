@@ -150,13 +150,31 @@ def gpu(args) -> None:
     engine = Engine(EngineConfig(model=path, speculative="draft", draft_model=draft_path, gpu_memory_fraction=0.5,
                                  num_speculative_tokens=4, **common))
     engine.drafter.observe_step = lambda req, drafted, accepted: None  # keep k = 4 (random drafts are rejected)
+    propose_s = [0.0]
+    inner = engine.drafter.propose_all
+
+    def timed_propose(running):
+        sync()
+        t0 = time.perf_counter()
+        inner(running)
+        sync()
+        propose_s[0] += time.perf_counter() - t0
+
+    engine.drafter.propose_all = timed_propose
     print(f"\ndraft model {args.draft_shape} ({common['dtype']}, decode graphs on CUDA) -> {args.shape}, k = 4: ms per step")
-    print(f"{'batch':>5} | {'draft + verify':>14} | {'verify alone':>12} | {'draft':>6} | {'draft forwards/step':>19}")
+    print(f"{'batch':>5} | {'draft + verify':>14} | {'verify alone':>12} | {'drafting':>8} | {'forwards/step':>13} | "
+          f"{'graph replays':>13}")
+    graphs = engine.draft.graphs
     for batch in batches:
         f0, s0 = engine.drafter.forwards, engine.counters.steps
+        r0 = graphs.num_replays if graphs is not None else 0
+        propose_s[0] = 0.0
         total = step_ms(engine, prompts[batch])
-        forwards = (engine.drafter.forwards - f0) / max(engine.counters.steps - s0, 1)
-        print(f"{batch:>5} | {total:>14.2f} | {table[batch][4]:>12.2f} | {total - table[batch][4]:>6.2f} | {forwards:>19.1f}")
+        steps = max(engine.counters.steps - s0, 1)
+        forwards = (engine.drafter.forwards - f0) / steps
+        replays = ((graphs.num_replays if graphs is not None else 0) - r0) / steps
+        print(f"{batch:>5} | {total:>14.2f} | {table[batch][4]:>12.2f} | {1e3 * propose_s[0] / steps:>8.2f} | "
+              f"{forwards:>13.1f} | {replays:>13.1f}")
 
 
 def main() -> None:

@@ -58,6 +58,9 @@ class DraftRunner:
         self.pool: KVPool | None = None
         self.backend = None
         self.graphs: DecodeGraphs | None = None
+        # token rows up to which a forward runs as decode rows; None: the largest decode graph
+        # (0 without graphs: on CPU the extend layout is as fast); tests force it on CPU
+        self.rows_max: int | None = None
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -84,7 +87,8 @@ class DraftRunner:
         self.backend = make_backend(config.attention, self.pool, c.num_heads, c.num_kv_heads, c.head_dim, config.device)
         if self.device.type == "cuda" and config.cuda_graph and self.backend.graphable:
             start = time.perf_counter()
-            max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
+            # rows = requests x (1 + k): the catch-up after a verify runs as decode rows
+            max_bs = min(config.max_running_requests, config.cuda_graph_max_bs) * (1 + config.num_speculative_tokens)
             self.graphs = DecodeGraphs(self.model, self.backend, max_bs, min(self.context_len, self.capacity),
                                        self.device)
             self.graphs.capture()
@@ -122,14 +126,28 @@ class DraftRunner:
     @torch.inference_mode()
     def propose(self, rows: list[DraftRow]) -> list[int]:
         """Run one forward over the rows (decodes, one token each, first) and return the
-        greedy next token of each row that wants logits, in row order."""
+        greedy next token of each row that wants logits, in row order.
+
+        When every row proposes and their tokens fit the largest decode graph, each token
+        becomes a decode row of its own (over its request's KV up to itself, as the target
+        verifies: rollout/model/runner.py `_prepare_rows`), so the catch-up after a verify
+        (1 to k + 1 tokens per request) replays a graph too instead of an eager extend."""
+        limit = self.rows_max if self.rows_max is not None else (self.graphs.max_bs if self.graphs is not None else 0)
+        if all(r.wants_logits for r in rows) and sum(len(r.tokens) for r in rows) <= limit:
+            flat = [DraftRow([t], row.start + j, row.slots, j == len(row.tokens) - 1)
+                    for row in rows for j, t in enumerate(row.tokens)]
+            return self._forward(flat, all_rows_logits=True)
+        return self._forward(rows, all_rows_logits=False)
+
+    def _forward(self, rows: list[DraftRow], all_rows_logits: bool) -> list[int]:
         input_ids: list[int] = []
         positions, out_locs, kv_parts, seq_lens, extend_lens, logits_at = [], [], [], [], [], []
         num_decode = 0
         t = 0
         for row in rows:
             n = len(row.tokens)
-            num_decode += n == 1 and row.wants_logits and num_decode == len(seq_lens)
+            if n == 1 and (row.wants_logits or all_rows_logits) and num_decode == len(seq_lens):
+                num_decode += 1  # the leading one-token rows are decodes
             end = row.start + n
             input_ids.extend(row.tokens)
             positions.append(np.arange(row.start, end, dtype=np.int64))
@@ -138,7 +156,7 @@ class DraftRunner:
             seq_lens.append(end)
             extend_lens.append(n)
             t += n
-            if row.wants_logits:
+            if row.wants_logits or all_rows_logits:
                 logits_at.append(t - 1)
         qo = np.zeros(len(rows) + 1, dtype=np.int32)
         qo[1:] = np.cumsum(extend_lens)
@@ -162,7 +180,10 @@ class DraftRunner:
             self.backend.plan(fb)
             hidden = self.model(fb.input_ids, fb.positions, self.backend)
             logits = self.model.logits(hidden[fb.logits_indices])
-        return logits.argmax(-1).tolist()
+        tokens = logits.argmax(-1).tolist()
+        if all_rows_logits:  # one row per token: keep each proposing row's
+            tokens = [tok for tok, row in zip(tokens, rows) if row.wants_logits]
+        return tokens
 
 
 def check_same_tokenizer(draft_dir: str, target_dir: str) -> None:

@@ -176,3 +176,18 @@ def test_config_refuses_a_draft_that_does_not_fit(llama: TinyModel, tmp_path) ->
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "wrong_vocab")
     with pytest.raises(ValueError, match="vocabulary of 170 tokens.*160"):
         _engine(llama, str(tmp_path / "wrong_vocab"))
+
+
+def test_draft_rows_layout_proposes_as_the_extend_layout(llama: TinyModel, other) -> None:
+    """The draft's catch-up as decode rows (what replays its graphs on CUDA) drafts the same
+    tokens as the extend layout: the same outputs and the same acceptance counts."""
+    prompts = make_prompts(llama.vocab_size, [5, 11, 18], seed=85)
+    params = SamplingParams(temperature=0.6, max_new_tokens=NEW, ignore_eos=True, seed=2, n=2)
+    results = []
+    for rows_max in (0, 1 << 20):
+        engine = _engine(llama, other.path)
+        engine.draft.rows_max = rows_max  # type: ignore[union-attr]
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        c = engine.stats().counters
+        results.append(([o.token_ids for o in outs], c["drafted_tokens"], c["accepted_tokens"]))
+    assert results[0] == results[1] and results[0][1] > 0
