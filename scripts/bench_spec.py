@@ -175,6 +175,13 @@ def gpu(args) -> None:
         replays = ((graphs.num_replays if graphs is not None else 0) - r0) / steps
         print(f"{batch:>5} | {total:>14.2f} | {table[batch][4]:>12.2f} | {1e3 * propose_s[0] / steps:>8.2f} | "
               f"{forwards:>13.1f} | {replays:>13.1f}")
+    if args.profile_draft:  # where a batch-1 drafting step's host time goes
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(step_ms, engine, prompts[batches[0]])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def main() -> None:
@@ -187,6 +194,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--new-gpu", type=int, default=33, help="--gpu: tokens per timed request")
     parser.add_argument("--draft-shape", default="draft06b")
+    parser.add_argument("--profile-draft", action="store_true", help="--gpu: cProfile a draft-model run at the first batch")
     parser.add_argument("--accepted", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0],
                         help="mean accepted lengths to turn GPU step costs into speedups (measure them on CPU)")
     args = parser.parse_args()
