@@ -96,3 +96,19 @@ def test_speculative_greedy_equals_transformers(smollm2, chats, drafter: str) ->
         logits = hf(full).logits[0, len(ids[1]) - 1 : -1].float()
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[1].token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(outs[1].logprobs), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "draft"])
+def test_speculative_greedy_with_tight_kv_and_eight_samples(smollm2, chats, drafter: str) -> None:
+    """n = 8 greedy samples of two prompts in a KV budget that cannot hold them all: requests
+    are retracted and resumed while speculating, and every sample is transformers' greedy run."""
+    path = smollm2[0]
+    ids, expected = chats
+    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=256, speculative=drafter,
+                                 speculative_governor=False, draft_model=path if drafter == "draft" else None))
+    outs = engine.generate(input_ids=ids[:2], sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW, n=8))
+    assert [o.token_ids for o in outs] == [expected[0]] * 8 + [expected[1]] * 8
+    c = engine.stats().counters
+    assert c["retractions"] > 0 and c["verify_steps"] > 0
+    engine.flush_cache()
+    assert engine.kv.used_slots() == 0
