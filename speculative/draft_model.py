@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from rollout.request import Req
 from speculative.base import Drafter
 from speculative.draft_runner import DraftRow, DraftRunner
@@ -105,29 +107,34 @@ class DraftModelDrafter(Drafter):
         if not rows:
             return drafts
         # the catch-up forward: each complete row's last token proposes its first draft
-        firsts = iter(self.runner.propose([row for _, row, _ in rows]))
+        first = self.runner.propose([row for _, row, _ in rows])
         self.forwards += 1
-        active = []
+        active = []  # (index in wanted, seq, position of the first draft)
         for i, row, seq in rows:
             if row.wants_logits:
-                drafts[i].append(next(firsts))
-                active.append((i, seq))
+                active.append((i, seq, row.start + len(row.tokens)))
             else:  # a long prompt still catching up (over this step's budget): no drafts yet
                 self._trim(seq, seq.verified)
-        # k - 1 decode forwards: feed each draft back for the next
-        for j in range(1, max((wanted[i][1] for i, _ in active), default=1)):
-            step = [(i, seq) for i, seq in active if wanted[i][1] > j]
+        # k - 1 decode forwards, each draft fed back from the device: one host sync at the end
+        rounds = [(list(range(len(active))), first)]  # (rows of `active`, their drafts on the device)
+        for j in range(1, max((wanted[i][1] for i, _, _ in active), default=1)):
+            prev_rows, prev = rounds[-1]
+            step = [a for a in prev_rows if wanted[active[a][0]][1] > j]
             if not step:
                 break
-            batch = []
-            for i, seq in step:
-                start = len(seq.tokens)
-                seq.tokens.append(drafts[i][-1])
-                batch.append(DraftRow([drafts[i][-1]], start, seq.slots, True))
+            fed = prev if len(step) == len(prev_rows) else prev[torch.tensor(
+                [prev_rows.index(a) for a in step], dtype=torch.int64, device=prev.device)]
+            batch = [DraftRow([0], active[a][2] + j - 1, active[a][1].slots, True) for a in step]
+            rounds.append((step, self.runner.propose(batch, fed=fed)))
             self.forwards += 1
-            for (i, _), token in zip(step, self.runner.propose(batch)):
-                drafts[i].append(token)
-        for i, seq in active:  # slots past the fed-back drafts were allocated for k - 1 of them
+        values = torch.cat([t for _, t in rounds]).tolist()
+        at = 0
+        for step, tokens in rounds:
+            for a, token in zip(step, values[at : at + len(step)]):
+                drafts[active[a][0]].append(token)
+            at += len(step)
+        for i, seq, _ in active:  # the drafts fed back hold KV now; slots past them go back
+            seq.tokens.extend(drafts[i][: wanted[i][1] - 1])
             self._trim(seq, len(seq.tokens))
         return drafts
 

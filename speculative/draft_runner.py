@@ -124,9 +124,12 @@ class DraftRunner:
 
     # ---- forward ----------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, rows: list[DraftRow]) -> list[int]:
+    def propose(self, rows: list[DraftRow], fed: torch.Tensor | None = None) -> torch.Tensor:
         """Run one forward over the rows (decodes, one token each, first) and return the
-        greedy next token of each row that wants logits, in row order.
+        greedy next token of each row that wants logits, in row order, on the device: the
+        draft loop feeds them back without a host round trip and reads all k at the end.
+        `fed`: the rows' input tokens as a device tensor (one-token rows: the previous
+        position's drafts), instead of their host `tokens`.
 
         When every row proposes and their tokens fit the largest decode graph, each token
         becomes a decode row of its own (over its request's KV up to itself, as the target
@@ -136,10 +139,10 @@ class DraftRunner:
         if all(r.wants_logits for r in rows) and sum(len(r.tokens) for r in rows) <= limit:
             flat = [DraftRow([t], row.start + j, row.slots, j == len(row.tokens) - 1)
                     for row in rows for j, t in enumerate(row.tokens)]
-            return self._forward(flat, all_rows_logits=True)
-        return self._forward(rows, all_rows_logits=False)
+            return self._forward(flat, fed, all_rows_logits=True)
+        return self._forward(rows, fed, all_rows_logits=False)
 
-    def _forward(self, rows: list[DraftRow], all_rows_logits: bool) -> list[int]:
+    def _forward(self, rows: list[DraftRow], fed: torch.Tensor | None, all_rows_logits: bool) -> torch.Tensor:
         input_ids: list[int] = []
         positions, out_locs, kv_parts, seq_lens, extend_lens, logits_at = [], [], [], [], [], []
         num_decode = 0
@@ -168,7 +171,7 @@ class DraftRunner:
             return to_device(torch.as_tensor(a), dev)
 
         fb = ForwardBatch(
-            input_ids=d(torch.tensor(input_ids, dtype=torch.int64)), positions=d(np.concatenate(positions)),
+            input_ids=fed if fed is not None else d(torch.tensor(input_ids, dtype=torch.int64)), positions=d(np.concatenate(positions)),
             out_cache_loc=d(torch.tensor(out_locs, dtype=torch.int64)), qo_indptr=d(qo), kv_indptr=d(kvp),
             kv_indices=d(np.concatenate(kv_parts)), logits_indices=d(torch.tensor(logits_at, dtype=torch.int64)),
             extend_lens=extend_lens, seq_lens=seq_lens, num_decode=num_decode,
@@ -180,9 +183,10 @@ class DraftRunner:
             self.backend.plan(fb)
             hidden = self.model(fb.input_ids, fb.positions, self.backend)
             logits = self.model.logits(hidden[fb.logits_indices])
-        tokens = logits.argmax(-1).tolist()
-        if all_rows_logits:  # one row per token: keep each proposing row's
-            tokens = [tok for tok, row in zip(tokens, rows) if row.wants_logits]
+        tokens = logits.argmax(-1)
+        if all_rows_logits and len(logits_at) != sum(r.wants_logits for r in rows):
+            # one row per token: keep each proposing row's
+            tokens = tokens[d(torch.tensor([i for i, r in enumerate(rows) if r.wants_logits], dtype=torch.int64))]
         return tokens
 
 
