@@ -53,3 +53,11 @@ def test_bench_spec_gpu_table_smoke_on_cpu() -> None:
                 "--batches", "1", "2", "--context", "16", "--new-gpu", "6")
     for line in ("verify k=4", "speedup over plain decoding", "draft + verify"):
         assert line in text, text[-1500:]
+
+
+def test_bench_client_smoke_on_cpu() -> None:
+    text = _run("scripts.bench_client", "--device", "cpu", "--shape", "tiny", "--batches", "1", "4",
+                "--input-len", "16", "--output-len", "8", "--repeats", "2")
+    rows = [line.split("|") for line in text.splitlines() if line.strip()[:1].isdigit() and "|" in line]
+    assert [int(r[0]) for r in rows] == [1, 4], text[-1500:]
+    assert all(r[-1].strip() == "yes" for r in rows), "the client's tokens differ from in-process"

@@ -1,0 +1,301 @@
+"""What RolloutClient and AsyncRolloutClient share: turning the Engine's call signatures
+into protocol requests (checked here first, so a bad argument fails before it is sent),
+replies back into the Engine's return types, the socket's options, and the errors.
+
+How a client knows the engine is gone: its zmq socket is monitored, and a closed
+connection (the engine process exited or was killed: the kernel closes its sockets at
+once) or zmq heartbeats unanswered for heartbeat_timeout_s (a hung or stopped process)
+make every waiting call and every later one raise EngineDeadError. A live engine that is
+slow to answer raises EngineTimeoutError after the call's timeout instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from rollout.metrics import EngineStats
+from rollout.request import RolloutOutput, SamplingParams
+from rollout.server import codec, protocol
+from rollout.server.errors import EngineDeadError, EngineError, EngineTimeoutError, ProtocolError
+from rollout.validate import check_str, named_tensor_list, token_ids
+
+DEFAULT_TIMEOUT_S = 600.0  # one call (or, for a stream, the wait for its next delta)
+DEFAULT_CONNECT_TIMEOUT_S = 60.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+# The engine's errors that mean "your argument is wrong" (a missing adapter or checkpoint
+# directory included): raised as the same type, as in-process.
+_SAME_TYPE = {"ValueError": ValueError, "TypeError": TypeError, "ProtocolError": ProtocolError,
+              "FileNotFoundError": FileNotFoundError}
+
+
+def new_identity() -> bytes:
+    return b"c" + os.urandom(15)  # zmq reserves ids starting with a zero byte for its own
+
+
+def configure_socket(socket: zmq.Socket, address: str, heartbeat_timeout_s: float) -> bytes:
+    if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"address {address!r}: expected ipc:///path or tcp://HOST:PORT")
+    identity = new_identity()
+    socket.setsockopt(zmq.ROUTING_ID, identity)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)  # outputs are never dropped on our side either
+    timeout_ms = max(int(heartbeat_timeout_s * 1000), 10)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, max(10, min(1000, timeout_ms // 4)))
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    socket.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
+    socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    if address.startswith("tcp://["):
+        socket.setsockopt(zmq.IPV6, 1)
+    return identity
+
+
+# CONNECTED: a connection was made at least once (a call that times out before that found
+# nothing listening, not a busy engine); DISCONNECTED: the engine is gone.
+MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+def dead_message(address: str, heartbeat_timeout_s: float) -> str:
+    return (f"the engine at {address} is gone: its connection closed (the process exited or was killed, "
+            f"or it answered no heartbeat for {heartbeat_timeout_s}s)")
+
+
+def dead_error(reason: str, what: str, timeout: float | None) -> EngineDeadError:
+    limit = f" (call timeout {timeout}s)" if timeout is not None else ""
+    return EngineDeadError(f"{what}: {reason}{limit}")
+
+
+def timeout_error(address: str, what: str, timeout: float, connected: bool = True) -> Exception:
+    if not connected:
+        return EngineDeadError(f"{what}: no engine is listening at {address}: nothing accepted a connection within "
+                               f"{timeout}s (not started, exited, or the wrong address)")
+    return EngineTimeoutError(f"{what}: no answer from the engine at {address} within {timeout}s (its connection "
+                              "is up: it is busy or stuck; pass a longer timeout= for long operations)")
+
+
+def remote_error(message: protocol.ErrorReply) -> Exception:
+    cls = _SAME_TYPE.get(message.error_type)
+    return cls(message.message) if cls is not None else EngineError(message.error_type, message.message)
+
+
+def check_frames(frames: list, info: protocol.ServerInfo | None) -> None:
+    """Refuse locally what the engine would refuse (or drop the connection for)."""
+    if info is None:
+        return
+    header = len(frames[0])
+    if header > info.max_header_bytes:
+        raise ValueError(f"request header of {header} bytes exceeds the engine's {info.max_header_bytes}-byte cap "
+                         "(--max-header-bytes)")
+    for frame in frames[1:]:
+        size = memoryview(frame).nbytes
+        if size > info.max_tensor_bytes:
+            raise ValueError(f"a tensor of {size} bytes exceeds the engine's {info.max_tensor_bytes}-byte cap "
+                             "(--max-tensor-bytes; send large updates by disk, CUDA IPC or broadcast)")
+
+
+# ---- arguments -> requests ---------------------------------------------------------------------
+def generate_request(input_ids: Any, sampling_params: Any, prompts: Any, lora_name: Any) -> protocol.Generate:
+    """Checked as in-process Engine.generate checks them (rollout/core/intake.py), with the
+    same messages: a caller sees the same error from either."""
+    if (input_ids is None) == (prompts is None):
+        raise ValueError("generate() takes exactly one of input_ids= or prompts=")
+    if prompts is not None:
+        if isinstance(prompts, str):
+            raise TypeError("prompts: expected a list of strings, got one str (wrap it: prompts=[text])")
+        texts = [check_str(text, f"prompts[{i}]", allow_empty=True) for i, text in enumerate(prompts)]
+        count, ids = len(texts), None
+    else:
+        if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__len__"):
+            raise TypeError(f"input_ids: expected a list of prompts (each a list of token ids), got {type(input_ids).__name__}")
+        if isinstance(input_ids, torch.Tensor) and input_ids.ndim != 2:
+            raise ValueError(f"input_ids: a tensor must be 2-D [num_prompts, len], got shape {tuple(input_ids.shape)}")
+        rows = list(input_ids)
+        if rows and all(isinstance(t, int) for t in rows):
+            raise TypeError("input_ids: expected a list of prompts, each a list of token ids, got a flat list of "
+                            f"ints; for one prompt pass input_ids=[{rows[:3]!r}...] wrapped in a list")
+        ids = [_token_ids(row, f"prompt {i}") for i, row in enumerate(rows)]
+        count, texts = len(ids), None
+    params = _params_list(sampling_params, count)
+    if isinstance(lora_name, (list, tuple)):
+        if len(lora_name) != count:
+            raise ValueError(f"lora_name has {len(lora_name)} entries for {count} prompts")
+        names = list(lora_name)
+    else:
+        names = [lora_name] * count
+    for i, name in enumerate(names):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"prompt {i}: lora_name={name!r}: expected an adapter name (str) or None")
+    return protocol.Generate(sampling_params=params, lora_names=names, input_ids=ids, prompts=texts)
+
+
+def _token_ids(row: Any, where: str) -> list[int]:
+    """rollout.validate.token_ids, with a fast path for the common case (a list of plain
+    ints, taken as it is) so that a batch of long prompts costs one C-speed pass each."""
+    if type(row) is list and all(type(t) is int for t in row):
+        return row
+    return token_ids(row, where)
+
+
+def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"prompt {i}: sampling_params must be a SamplingParams, got {type(p).__name__}")
+    return params
+
+
+def add_request(input_ids: Any, sampling_params: Any, prompt: Any, request_id: Any, lora_name: Any,
+                stream: bool) -> protocol.Add:
+    """Checked as in-process Engine.add_request checks them, with the same messages; given
+    both, input_ids wins (as in-process)."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if not isinstance(sampling_params, SamplingParams):
+        raise TypeError(f"prompt 0: sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    if input_ids is None and prompt is None:
+        raise ValueError("a request needs input_ids or a prompt")
+    if input_ids is not None:
+        ids, prompt = _token_ids(input_ids, "prompt 0"), None
+    else:
+        ids = None
+        check_str(prompt, "prompt", allow_empty=True)
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise TypeError(f"prompt 0: lora_name={lora_name!r}: expected an adapter name (str) or None")
+    return protocol.Add(sampling_params=sampling_params, input_ids=ids, prompt=prompt, request_id=request_id,
+                        lora_name=lora_name, stream=stream)
+
+
+def tensor_pairs(named_tensors: Any) -> list[tuple[str, Any]]:
+    if isinstance(named_tensors, Mapping):
+        return list(named_tensors.items())
+    return named_tensor_list(named_tensors)
+
+
+def load_lora_request(name: str, path: str | Path | None, tensors: Any, config: Any) -> protocol.LoadLoraAdapter:
+    if config is not None and hasattr(config, "to_dict"):
+        config = config.to_dict()  # a peft LoraConfig
+    return protocol.LoadLoraAdapter(
+        name=name, path=str(path) if path is not None else None,
+        config=_plain_config(config, "config") if config is not None else None,
+        tensors=tensor_pairs(tensors) if tensors is not None else None)
+
+
+def _plain_config(value: Any, where: str) -> Any:
+    """A LoraConfig dict as plain values: sets and tuples as lists, enums by value."""
+    if isinstance(value, enum.Enum):
+        return _plain_config(value.value, where)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain_config(v, where) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_plain_config(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        return {str(k): _plain_config(v, f"{where}.{k}") for k, v in value.items()}
+    raise TypeError(f"{where}: {type(value).__name__} cannot be sent to the engine (plain values only)")
+
+
+# ---- replies -> results --------------------------------------------------------------------
+def _lora_info(raw: Any):
+    from lora.manager import LoraAdapterInfo
+
+    return codec.from_plain(LoraAdapterInfo, raw, "adapter")
+
+
+def _sleep_stats(raw: Any):
+    """sleep() / wake() return SleepStats, as in-process."""
+    from rollout.core.memory import SleepStats
+
+    return None if raw is None else codec.from_plain(SleepStats, raw, "sleep stats")
+
+
+RESULTS = {
+    "sleep": _sleep_stats,
+    "wake": _sleep_stats,
+    "hello": lambda raw: codec.from_plain(protocol.ServerInfo, raw, "hello"),
+    "model_info": lambda raw: codec.from_plain(protocol.ModelInfo, raw, "model_info"),
+    "health": lambda raw: codec.from_plain(protocol.HealthInfo, raw, "health"),
+    "stats": lambda raw: codec.from_plain(EngineStats, raw, "stats"),
+    "load_lora_adapter": _lora_info,
+    "list_lora_adapters": lambda raw: [_lora_info(r) for r in codec.check_value(raw, list[Any], "adapters")],
+    "update_weights": lambda raw: codec.check_value(raw, int, "version"),
+    "update_weights_from_disk": lambda raw: codec.check_value(raw, int, "version"),
+    "update_weights_from_ipc": lambda raw: codec.check_value(raw, int, "version"),
+    "update_weights_from_distributed": lambda raw: codec.check_value(raw, int, "version"),
+    "update_lora_adapter": lambda raw: codec.check_value(raw, int, "version"),
+    "add": lambda raw: codec.check_value(codec.check_value(raw, dict[str, Any], "add")["request_ids"], list[str], "request_ids"),
+    "abort": lambda raw: codec.check_value(codec.check_value(raw, dict[str, Any], "abort")["aborted"], list[str], "aborted"),
+}
+
+
+def result_of(op: str, message: protocol.Message) -> Any:
+    """A call's single answer as the Engine would return it (outputs for generate)."""
+    if isinstance(message, protocol.ErrorReply):
+        raise remote_error(message)
+    if not isinstance(message, protocol.Reply):
+        raise ProtocolError(f"{op}: expected a reply, got {type(message).__name__}")
+    if op == "generate":
+        if message.outputs is None:
+            raise ProtocolError("generate: the reply carries no outputs")
+        return message.outputs
+    convert = RESULTS.get(op)
+    try:
+        return convert(message.result) if convert is not None else message.result
+    except (KeyError, TypeError) as error:
+        raise ProtocolError(f"{op}: malformed result ({error})") from None
+
+
+@dataclasses.dataclass
+class OpenAdds:
+    """add_request calls whose outputs have not all arrived: call id -> request ids left;
+    outputs arrived and not yet handed out; errors to raise at the next collection."""
+
+    pending: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+    finished: dict[str, RolloutOutput] = dataclasses.field(default_factory=dict)
+    errors: list[Exception] = dataclasses.field(default_factory=list)
+
+    def take(self, call_id: int, message: protocol.Message) -> None:
+        if isinstance(message, protocol.ErrorReply):
+            self.pending.pop(call_id, None)
+            self.errors.append(remote_error(message))
+        elif isinstance(message, protocol.Event):
+            left = self.pending.get(call_id, set())
+            for output in message.outputs:
+                self.finished[output.request_id] = output
+                left.discard(output.request_id)
+            if not left:
+                self.pending.pop(call_id, None)
+
+    def raise_errors(self) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+
+    def take_outputs(self, wanted: list[str] | None) -> list[RolloutOutput] | None:
+        """All finished outputs (wanted=None), or those wanted in order once all are in."""
+        self.raise_errors()
+        if wanted is None:
+            done, self.finished = list(self.finished.values()), {}
+            return done
+        if all(rid in self.finished for rid in wanted):
+            return [self.finished.pop(rid) for rid in wanted]
+        return None
+
+
+def path_arg(path: str | Path) -> str:
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"path={path!r}: expected a str or Path")
+    return str(path)
+
