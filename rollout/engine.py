@@ -200,7 +200,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if self.memory.weights_discarded and not full:
             raise ValueError("update_weights: sleep(level=2) discarded the weights; the next update must be full=True")
         pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
-        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs and self.draft is not None else None
+        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
         writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
         if writes is not None:
             self._pause(pause_mode)
@@ -311,7 +311,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             mean_accepted_length=c.accepted_tokens / c.verify_steps if c.verify_steps else 0.0,
             draft_acceptance_rate=c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0,
             draft_weight_version=self.drafter.weight_version if self.draft is not None else None,  # type: ignore[union-attr]
-            draft_stale=bool(getattr(self.drafter, "stale", False)),
+            draft_stale=self.draft is not None and self.drafter.stale,  # type: ignore[union-attr]
         )
 
     def flush_cache(self) -> None:

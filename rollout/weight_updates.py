@@ -55,7 +55,7 @@ class WeightUpdatesMixin:
         self._sync_group = open_group(master_addr, master_port, rank_offset, world_size, backend=backend,
                                       timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device)
 
-    def _apply_update(self, lora_name: str | None, full: bool, pause_mode: str,
+    def update_applier(self, lora_name: str | None, full: bool, pause_mode: str,
                       target: str = "model") -> Callable[[Iterable], int]:
         """Where a received stream goes: the base weights (or the draft model's, `target=
         "draft"`), or (LoRA-only sync: the trainer sends `iter_hf_weights(peft_model,
@@ -76,7 +76,7 @@ class WeightUpdatesMixin:
 
         if self._sync_group is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync_group() first")
-        apply = self._apply_update(lora_name, full, pause_mode, target)
+        apply = self.update_applier(lora_name, full, pause_mode, target)
         return apply(receive(self._sync_group, device=self.device))  # type: ignore[attr-defined]
 
     def destroy_weight_sync_group(self) -> None:
@@ -93,7 +93,7 @@ class WeightUpdatesMixin:
         from weightsync.transports.cuda_ipc import CudaIpcReceiver
 
         check_str(endpoint, "endpoint")
-        apply = self._apply_update(lora_name, full, pause_mode, target)
+        apply = self.update_applier(lora_name, full, pause_mode, target)
         receiver = CudaIpcReceiver(endpoint, device=self.device, timeout_s=timeout_s)  # type: ignore[attr-defined]
         try:
             return receiver.serve_once(apply)
@@ -108,7 +108,7 @@ class WeightUpdatesMixin:
 
         if not isinstance(path, (str, Path)) or not Path(path).is_dir():
             raise ValueError(f"update_weights_from_disk: path={path!r} is not a directory")
-        apply = self._apply_update(lora_name, full, pause_mode, target)
+        apply = self.update_applier(lora_name, full, pause_mode, target)
         if lora_name is not None:
             from lora.adapter import load_adapter_dir
 

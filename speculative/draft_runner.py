@@ -24,6 +24,7 @@ from rollout.model.config import ModelConfig
 from rollout.model.cuda_graph import DecodeGraphs
 from rollout.model.forward_batch import ForwardBatch
 from rollout.model.loader import WeightWrite, iter_checkpoint, load_weights, plan_writes
+from rollout.model.runner import run_model
 
 log = logging.getLogger("rollout")
 
@@ -176,14 +177,7 @@ class DraftRunner:
             kv_indices=d(np.concatenate(kv_parts)), logits_indices=d(torch.tensor(logits_at, dtype=torch.int64)),
             extend_lens=extend_lens, seq_lens=seq_lens, num_decode=num_decode,
         )
-        if self.graphs is not None and len(logits_at) == len(rows) and self.graphs.can_run(fb):
-            logits = self.graphs.replay(fb)
-        else:
-            assert self.backend is not None, "the draft model is asleep"
-            self.backend.plan(fb)
-            hidden = self.model(fb.input_ids, fb.positions, self.backend)
-            logits = self.model.logits(hidden[fb.logits_indices])
-        tokens = logits.argmax(-1)
+        tokens = run_model(self.model, self.backend, self.graphs, fb).argmax(-1)
         if all_rows_logits and len(logits_at) != sum(r.wants_logits for r in rows):
             # one row per token: keep each proposing row's
             tokens = tokens[d(torch.tensor([i for i, r in enumerate(rows) if r.wants_logits], dtype=torch.int64))]

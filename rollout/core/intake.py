@@ -40,43 +40,10 @@ class Intake:
         self._seed_rng = torch.Generator().manual_seed(seed)
 
     def batch(self, input_ids: Any, prompts: Any, sampling_params: Any) -> list[tuple[list[int] | None, str | None, SamplingParams]]:
-        """generate()'s arguments -> one (token ids | None, text | None, params) per prompt."""
-        if (input_ids is None) == (prompts is None):
-            raise ValueError("generate() takes exactly one of input_ids= or prompts=")
-        if prompts is not None:
-            if isinstance(prompts, str):
-                raise TypeError("prompts: expected a list of strings, got one str (wrap it: prompts=[text])")
-            items = list(prompts)
-            for i, p in enumerate(items):
-                check_str(p, f"prompts[{i}]", allow_empty=True)
-        else:
-            if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__len__"):
-                raise TypeError(f"input_ids: expected a list of prompts (each a list of token ids), got {type(input_ids).__name__}")
-            if isinstance(input_ids, torch.Tensor) and input_ids.ndim != 2:
-                raise ValueError(f"input_ids: a tensor must be 2-D [num_prompts, len], got shape {tuple(input_ids.shape)}")
-            items = list(input_ids)
-            if items and all(isinstance(t, int) for t in items):
-                raise TypeError("input_ids: expected a list of prompts, each a list of token ids, got a flat list of "
-                                f"ints; for one prompt pass input_ids=[{items[:3]!r}...] wrapped in a list")
-        if sampling_params is None:
-            params_list = [SamplingParams()] * len(items)
-        elif isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(items)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(items):
-                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
-        if prompts is not None:
-            return [(None, p, sp) for p, sp in zip(items, params_list)]
-        return [(ids, None, sp) for ids, sp in zip(items, params_list)]
+        return split_batch(input_ids, prompts, sampling_params)
 
     def lora_names(self, lora_name: Any, num_prompts: int) -> list[str | None]:
-        """generate()'s lora_name (one for all prompts, or a list with one per prompt)."""
-        if isinstance(lora_name, (list, tuple)):
-            if len(lora_name) != num_prompts:
-                raise ValueError(f"lora_name has {len(lora_name)} entries for {num_prompts} prompts")
-            return list(lora_name)
-        return [lora_name] * num_prompts
+        return split_lora_names(lora_name, num_prompts)
 
     def _adapter_version(self, lora_name: Any, where: str) -> int:
         if not isinstance(lora_name, str):
@@ -145,3 +112,45 @@ class Intake:
             for follower in leader.followers:
                 follower.leader = leader
         return reqs
+
+
+def split_batch(input_ids: Any, prompts: Any, sampling_params: Any) -> list[tuple[list[int] | None, str | None, SamplingParams]]:
+    """generate()'s arguments -> one (token ids | None, text | None, params) per prompt: the shape
+    checks every entry point shares (in-process, and the engine process's client before it sends)."""
+    if (input_ids is None) == (prompts is None):
+        raise ValueError("generate() takes exactly one of input_ids= or prompts=")
+    if prompts is not None:
+        if isinstance(prompts, str):
+            raise TypeError("prompts: expected a list of strings, got one str (wrap it: prompts=[text])")
+        items = list(prompts)
+        for i, p in enumerate(items):
+            check_str(p, f"prompts[{i}]", allow_empty=True)
+    else:
+        if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__len__"):
+            raise TypeError(f"input_ids: expected a list of prompts (each a list of token ids), got {type(input_ids).__name__}")
+        if isinstance(input_ids, torch.Tensor) and input_ids.ndim != 2:
+            raise ValueError(f"input_ids: a tensor must be 2-D [num_prompts, len], got shape {tuple(input_ids.shape)}")
+        items = list(input_ids)
+        if items and all(isinstance(t, int) for t in items):
+            raise TypeError("input_ids: expected a list of prompts, each a list of token ids, got a flat list of "
+                            f"ints; for one prompt pass input_ids=[{items[:3]!r}...] wrapped in a list")
+    if sampling_params is None:
+        params_list = [SamplingParams()] * len(items)
+    elif isinstance(sampling_params, SamplingParams):
+        params_list = [sampling_params] * len(items)
+    else:
+        params_list = list(sampling_params)
+        if len(params_list) != len(items):
+            raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
+    if prompts is not None:
+        return [(None, p, sp) for p, sp in zip(items, params_list)]
+    return [(ids, None, sp) for ids, sp in zip(items, params_list)]
+
+
+def split_lora_names(lora_name: Any, num_prompts: int) -> list[str | None]:
+    """generate()'s lora_name (one for all prompts, or a list with one per prompt)."""
+    if isinstance(lora_name, (list, tuple)):
+        if len(lora_name) != num_prompts:
+            raise ValueError(f"lora_name has {len(lora_name)} entries for {num_prompts} prompts")
+        return list(lora_name)
+    return [lora_name] * num_prompts

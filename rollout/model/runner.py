@@ -191,12 +191,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(fb):
-            # a decode always samples (the scheduler's definition): logits rows == requests
-            assert fb.logits_indices.numel() == fb.batch_size
-            return self.graphs.replay(fb)
-        self.backend.plan(fb)
-        if self.lora is not None:
-            self.lora.plan(fb.lora, fb.lora_active)
-        hidden = self.model(fb.input_ids, fb.positions, self.backend)
-        return self.model.logits(hidden[fb.logits_indices])  # [R, vocab] float32
+        return run_model(self.model, self.backend, self.graphs, fb, self.lora)
+
+
+def run_model(model: LlamaModel, backend: AttentionBackend | None, graphs: DecodeGraphs | None, fb: ForwardBatch,
+              lora: LoraPool | None = None) -> torch.Tensor:
+    """Logits [R, vocab] float32 of a step: a decode graph's replay when one covers it (every
+    row samples), else an eager forward (the target's runner and the draft model's)."""
+    if graphs is not None and fb.logits_indices.numel() == fb.batch_size and graphs.can_run(fb):
+        return graphs.replay(fb)
+    assert backend is not None, "no attention backend (the engine is asleep)"
+    backend.plan(fb)
+    if lora is not None:
+        lora.plan(fb.lora, fb.lora_active)
+    hidden = model(fb.input_ids, fb.positions, backend)
+    return model.logits(hidden[fb.logits_indices])

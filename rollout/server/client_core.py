@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import zmq
 
+from rollout.core.intake import split_batch, split_lora_names
 from rollout.metrics import EngineStats
 from rollout.request import RolloutOutput, SamplingParams
 from rollout.server import codec, protocol
@@ -104,31 +105,11 @@ def check_frames(frames: list, info: protocol.ServerInfo | None) -> None:
 def generate_request(input_ids: Any, sampling_params: Any, prompts: Any, lora_name: Any) -> protocol.Generate:
     """Checked as in-process Engine.generate checks them (rollout/core/intake.py), with the
     same messages: a caller sees the same error from either."""
-    if (input_ids is None) == (prompts is None):
-        raise ValueError("generate() takes exactly one of input_ids= or prompts=")
-    if prompts is not None:
-        if isinstance(prompts, str):
-            raise TypeError("prompts: expected a list of strings, got one str (wrap it: prompts=[text])")
-        texts = [check_str(text, f"prompts[{i}]", allow_empty=True) for i, text in enumerate(prompts)]
-        count, ids = len(texts), None
-    else:
-        if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__len__"):
-            raise TypeError(f"input_ids: expected a list of prompts (each a list of token ids), got {type(input_ids).__name__}")
-        if isinstance(input_ids, torch.Tensor) and input_ids.ndim != 2:
-            raise ValueError(f"input_ids: a tensor must be 2-D [num_prompts, len], got shape {tuple(input_ids.shape)}")
-        rows = list(input_ids)
-        if rows and all(isinstance(t, int) for t in rows):
-            raise TypeError("input_ids: expected a list of prompts, each a list of token ids, got a flat list of "
-                            f"ints; for one prompt pass input_ids=[{rows[:3]!r}...] wrapped in a list")
-        ids = [_token_ids(row, f"prompt {i}") for i, row in enumerate(rows)]
-        count, texts = len(ids), None
-    params = _params_list(sampling_params, count)
-    if isinstance(lora_name, (list, tuple)):
-        if len(lora_name) != count:
-            raise ValueError(f"lora_name has {len(lora_name)} entries for {count} prompts")
-        names = list(lora_name)
-    else:
-        names = [lora_name] * count
+    items = split_batch(input_ids, prompts, sampling_params)
+    texts = [text for _, text, _ in items] if prompts is not None else None
+    ids = [_token_ids(row, f"prompt {i}") for i, (row, _, _) in enumerate(items)] if prompts is None else None
+    params = [_check_params(sp, i) for i, (_, _, sp) in enumerate(items)]
+    names = split_lora_names(lora_name, len(items))
     for i, name in enumerate(names):
         if name is not None and not isinstance(name, str):
             raise TypeError(f"prompt {i}: lora_name={name!r}: expected an adapter name (str) or None")
@@ -143,17 +124,9 @@ def _token_ids(row: Any, where: str) -> list[int]:
     return token_ids(row, where)
 
 
-def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * count
-    params = list(sampling_params)
-    if len(params) != count:
-        raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
-    for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"prompt {i}: sampling_params must be a SamplingParams, got {type(p).__name__}")
+def _check_params(params: Any, i: int) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"prompt {i}: sampling_params must be a SamplingParams, got {type(params).__name__}")
     return params
 
 

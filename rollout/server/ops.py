@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from rollout.request import SamplingParams
@@ -177,7 +177,7 @@ class EngineOps:
             raise ValueError(f"update_weights_from_ipc: CUDA IPC needs a CUDA engine; this one is on {self.engine.device}")
         # the engine's own choice of where the stream goes (base weights, draft model, an
         # adapter), so that the arguments are checked as in-process update_weights_from_ipc does
-        apply = self.engine._apply_update(request.lora_name, request.full, request.pause_mode, request.target)
+        apply = self.engine.update_applier(request.lora_name, request.full, request.pause_mode, request.target)
         background, device = self.background, self.engine.device
 
         def on_trainer_message(stream: Iterable) -> int:
@@ -240,20 +240,14 @@ class EngineOps:
     # ---- memory --------------------------------------------------------------------------------
     def op_sleep(self, identity: bytes, call_id: int, request: protocol.Sleep) -> Any:
         self.step_pending = True
-        return _plain_or_none(self._engine_method("sleep")(request.level))
+        return _plain_or_none(self.engine.sleep(request.level))
 
     def op_wake(self, identity: bytes, call_id: int, request: protocol.Wake) -> Any:
         self.step_pending = True
         try:
-            return _plain_or_none(self._engine_method("wake")(request.tags))
+            return _plain_or_none(self.engine.wake(request.tags))
         finally:
             self.keep_text_off_loop()
-
-    def _engine_method(self, name: str) -> Callable:
-        method = getattr(self.engine, name, None)
-        if method is None:
-            raise NotImplementedError(f"{name}: this engine has no Engine.{name}()")
-        return method
 
 
 def _plain_or_none(value: Any) -> Any:
