@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cycles", type=int, default=10)
     parser.add_argument("--mem-fraction", type=float, default=0.6)
+    parser.add_argument("--track", type=int, default=0, help="print memory every N cycles")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -92,12 +93,18 @@ def main() -> None:
         outs = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
         assert outs == reference, f"cycle {i}: outputs changed after wake"
         dev, host = device_used_bytes(device), host_rss_bytes()
+        torch_reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         if first_dev is None:
-            first_dev, first_host = dev, host
+            first_dev, first_host, first_reserved = dev, host, torch_reserved
+        if args.track and (i + 1) % args.track == 0:  # where growth sits: torch's allocator or outside it
+            print(f"cycle {i + 1}: device in use {dev / gib:.3f} GiB, torch reserved {torch_reserved / gib:.3f} GiB, "
+                  f"outside torch {(dev - torch_reserved) / gib:.3f} GiB, host RSS {host / gib:.3f} GiB", flush=True)
     print(f"\n{args.shape}, {args.device}: {args.cycles} sleep(1)/wake cycles, outputs equal after each")
     print(f"{'':<34} | {'first cycle':>12} | {'last cycle':>12} | change")
     print(f"{'device memory in use (GiB)':<34} | {first_dev / gib:>12.3f} | {dev / gib:>12.3f} | "
           f"{(dev - first_dev) / max(first_dev, 1):+.2%}")
+    print(f"{'  of it torch reserved (GiB)':<34} | {first_reserved / gib:>12.3f} | {torch_reserved / gib:>12.3f} | "
+          f"{(torch_reserved - first_reserved) / max(first_reserved, 1):+.2%}")
     print(f"{'host RSS (GiB)':<34} | {first_host / gib:>12.3f} | {host / gib:>12.3f} | {(host - first_host) / max(first_host, 1):+.2%}")
     print(f"cycle time: median {sorted(cycle_s)[len(cycle_s) // 2]:.2f} s")
     print(f"\n{'level':>5} | {'sleep s':>7} | {'resident GiB':>12} | {'wake weights s':>14} | {'wake kv+graphs s':>16} | goals: <= 1 GiB, <= 2 s")
