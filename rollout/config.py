@@ -77,6 +77,11 @@ class EngineConfig:
     # measure steps with drafting on and off and keep it off while plain decoding is faster
     # (speculative/governor.py); False: always draft (benchmarks of raw speculation)
     speculative_governor: bool = True
+    # Batch-invariant, repeatable results (rollout/kernels/batch_invariant.py, attention/
+    # deterministic_backend.py): a request's tokens and log-probs, bit for bit, do not depend on
+    # what else is batched, prefill chunking, prefix-cache hits or retraction, and equal the
+    # trainer-side recompute of rollout/rl/onpolicy.py. Costs speed (BENCHMARKS.md); off by default.
+    deterministic: bool = False
     # which of q/k/v/o/gate/up/down_proj adapters may target (slots are allocated for these)
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -138,6 +143,13 @@ class EngineConfig:
         check_int(self.speculative_history_tokens, f + "speculative_history_tokens", min=0)
         check_bool(self.speculative_keep_history_on_update, f + "speculative_keep_history_on_update")
         check_bool(self.speculative_governor, f + "speculative_governor")
+        check_bool(self.deterministic, f + "deterministic")
+        if self.deterministic and self.attention != "auto":
+            raise ValueError(f"{f}attention={self.attention!r} with deterministic=True: deterministic mode uses its "
+                             "own batch-invariant attention; leave attention='auto'")
+        if self.deterministic and self.enable_lora:
+            raise ValueError(f"{f}enable_lora=True with deterministic=True: the LoRA kernels are not batch-invariant "
+                             "yet (an adapter's delta is computed per segment of rows)")
         if self.attention not in _ATTENTION:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
 

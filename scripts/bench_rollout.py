@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
+    parser.add_argument("--deterministic", nargs="+", default=["off"], choices=["off", "on"],
+                        help="one run of the workloads per mode (EngineConfig.deterministic; attention 'auto')")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -259,32 +261,33 @@ def main() -> None:
 
     max_tokens = None if device.type == "cuda" else 300_000  # CPU smoke: a bounded pool
 
-    def engine_for(attention: str, overlap: bool, radix: bool = True):
-        return Engine(EngineConfig(model=model_dir, dtype="bfloat16" if device.type == "cuda" else "float32",
+    def engine_for(attention: str, overlap: bool, radix: bool = True, deterministic: bool = False):
+        return Engine(EngineConfig(deterministic=deterministic,model=model_dir, dtype="bfloat16" if device.type == "cuda" else "float32",
                                    device=args.device, load_format="dummy", max_total_tokens=max_tokens,
                                    attention=attention, page_size=16, enable_radix_cache=radix,
                                    max_running_requests=512, max_prefill_tokens=8192, overlap_schedule=overlap,
                                    gpu_memory_fraction=args.mem_fraction))
 
-    for attention in args.attention:
-        for overlap in (o == "on" for o in args.overlap):
-            try:
-                engine = engine_for(attention, overlap)
-            except Exception:
-                traceback.print_exc()
-                continue
-            label = f"{engine.runner.backend.name}{', overlap' if overlap else ''}"
-            print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
-            # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
-            warm = torch.Generator().manual_seed(1)
-            greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
-            engine.generate(input_ids=rand_prompts(8, 64, warm) + rand_prompts(1, 700, warm), sampling_params=greedy)
-            engine.generate(input_ids=rand_prompts(1, 128, warm), sampling_params=greedy)
-            run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix))
-            del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    runs = [(a, o == "on", False) for a in args.attention for o in args.overlap if "off" in args.deterministic]
+    runs += [("auto", o == "on", True) for o in args.overlap if "on" in args.deterministic]
+    for attention, overlap, deterministic in runs:
+        try:
+            engine = engine_for(attention, overlap, deterministic=deterministic)
+        except Exception:
+            traceback.print_exc()
+            continue
+        label = f"{engine.runner.backend.name}{', overlap' if overlap else ''}"
+        print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
+        # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
+        warm = torch.Generator().manual_seed(1)
+        greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+        engine.generate(input_ids=rand_prompts(8, 64, warm) + rand_prompts(1, 700, warm), sampling_params=greedy)
+        engine.generate(input_ids=rand_prompts(1, 128, warm), sampling_params=greedy)
+        run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix, deterministic))
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\n{args.shape}, {'bf16' if device.type == 'cuda' else 'fp32'}, {name}, "

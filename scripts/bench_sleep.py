@@ -44,6 +44,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.model.loader import iter_hf_views
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     device = torch.device(args.device)
@@ -71,7 +72,7 @@ def main() -> None:
         weights_s = time.perf_counter() - start
         if level == 2:  # the trainer's sync refills the discarded weights: here, from a random state
             start = time.perf_counter()
-            engine.update_weights(((n, torch.randn_like(p) * 0.02) for n, p in _hf_named(engine)), full=True)
+            engine.update_weights(((n, torch.randn_like(p) * 0.02) for n, p in iter_hf_views(engine.model)), full=True)
             weights_s += time.perf_counter() - start
         start = time.perf_counter()
         engine.wake(["kv_cache"])
@@ -80,7 +81,7 @@ def main() -> None:
         print(f"level {level}: sleep {sleep_s:.2f} s, resident after sleep {resident / gib:.2f} GiB (beyond the context), "
               f"wake weights {weights_s:.2f} s{' incl. a full sync' if level == 2 else ''}, wake kv_cache + graphs {kv_s:.2f} s",
               flush=True)
-    engine.update_weights(((n, torch.randn_like(p) * 0.02) for n, p in _hf_named(engine)), full=True)
+    engine.update_weights(((n, torch.randn_like(p) * 0.02) for n, p in iter_hf_views(engine.model)), full=True)
     reference = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
 
     first_dev = first_host = None
@@ -110,19 +111,6 @@ def main() -> None:
     print(f"\n{'level':>5} | {'sleep s':>7} | {'resident GiB':>12} | {'wake weights s':>14} | {'wake kv+graphs s':>16} | goals: <= 1 GiB, <= 2 s")
     for level, sleep_s, resident, weights_s, kv_s in rows:
         print(f"{level:>5} | {sleep_s:>7.2f} | {resident / gib:>12.2f} | {weights_s:>14.2f} | {kv_s:>16.2f}")
-
-
-def _hf_named(engine):
-    """The engine's parameters under HF names (fused qkv / gate_up split back), for a random
-    full update in the shapes a trainer would send."""
-    from rollout.model.loader import expected_hf_names, _target
-
-    cfg = engine.model_config
-    params = dict(engine.model.named_parameters())
-    for name in expected_hf_names(cfg):
-        pname, rows = _target(cfg, name)
-        p = params[pname]
-        yield name, (p if rows is None else p[rows])
 
 
 if __name__ == "__main__":

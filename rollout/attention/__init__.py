@@ -15,6 +15,10 @@ def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, hea
     from rollout.attention.torch_backend import TorchAttention
 
     args = (pool, num_heads, num_kv_heads, head_dim)
+    if name == "deterministic":  # chosen by EngineConfig.deterministic, not by name
+        from rollout.attention.deterministic_backend import DeterministicAttention
+
+        return DeterministicAttention(*args)
     if name not in ("auto", "torch", "triton", "flashinfer"):
         raise ValueError(f"attention backend {name!r} is not one of auto, torch, triton, flashinfer")
     if name == "torch" or (name == "auto" and not device.startswith("cuda")):

@@ -80,6 +80,8 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
         init_random_weights(model, config.seed)
     else:
         load_weights(model, iter_checkpoint(config.model), full=True)
+    if config.deterministic:
+        model.make_batch_invariant()
     tokenizer = load_tokenizer(config.model) if config.load_tokenizer else None
     eos = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -116,7 +118,8 @@ def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, 
     start-up, and again on wake (graphs and plans bake the KV pool's addresses in)."""
     device = runner.device
     runner.graphs = None
-    runner.backend = make_backend(config.attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
+    attention = "deterministic" if config.deterministic else config.attention
+    runner.backend = make_backend(attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
     if device.type == "cuda" and config.cuda_graph and runner.backend.graphable:
         max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
         if config.speculative is not None:  # a verify step replays a decode graph of requests x (1 + k) rows

@@ -137,14 +137,15 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @overload
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None,
+             rows_per_program: int | None = None) -> torch.Tensor: ...
 @overload
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+             rows_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             rows_per_program: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., N], in transformers' LlamaRMSNorm op order:
     ``h = r.float(); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(x.dtype)``.
 
@@ -178,6 +179,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if n <= _MAX_BLOCK_N:
         block_n, chunks = triton.next_power_of_2(n), 1
         block_m = min(max(1, _TILE // block_n), triton.next_power_of_2(n_rows))
+        if rows_per_program is not None:  # batch-invariant: the reduction layout must not follow n_rows
+            block_m = rows_per_program
     else:
         block_n, chunks, block_m = _CHUNK_N, triton.cdiv(n, _CHUNK_N), 1
     grid = (triton.cdiv(n_rows, block_m),)

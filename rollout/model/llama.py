@@ -28,10 +28,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.rows_per_program: int | None = None  # fused kernel: None picks by the row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.use_fused(x):  # GPU: one Triton kernel, same op order as below
-            return kernels.fused.rms_norm(x, self.weight, self.eps)
+            return kernels.fused.rms_norm(x, self.weight, self.eps, rows_per_program=self.rows_per_program)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Same op order as transformers: normalize in fp32, cast back, then scale.
@@ -43,7 +44,8 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm on GPU."""
         if kernels.use_fused(x):
-            return kernels.fused.rms_norm(x, self.weight, self.eps, residual=residual)
+            return kernels.fused.rms_norm(x, self.weight, self.eps, residual=residual,
+                                          rows_per_program=self.rows_per_program)
         r = residual + x
         return self(r), r
 
@@ -106,9 +108,11 @@ class Linear(nn.Module):
         # Multi-LoRA: set by the adapter pool (lora/pool.py LoraHook); adds each request's
         # adapter delta to this projection's output in place. None: no adapters here.
         self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        # Deterministic mode swaps in a batch-invariant matmul (LlamaModel.use_matmul).
+        self.matmul: Callable[..., torch.Tensor] = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         if self.lora is not None:
             self.lora(x, y)
         return y
@@ -187,6 +191,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions)
+        self.matmul: Callable[..., torch.Tensor] = F.linear  # the lm_head's
+
+    def make_batch_invariant(self) -> None:
+        """Deterministic mode: every projection and the lm_head through the batch-invariant
+        matmul, and the fused RMSNorm kernel at one row per program (its reduction layout
+        otherwise follows the number of rows). The rest is elementwise or a gather."""
+        from rollout.kernels import batch_invariant
+
+        self.matmul = batch_invariant.linear
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = batch_invariant.linear
+            elif isinstance(module, RMSNorm):
+                module.rows_per_program = 1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
@@ -205,4 +223,4 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [R, vocab]
+        return self.matmul(hidden, weight).float()  # [R, vocab]

@@ -75,6 +75,18 @@ def expected_hf_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
+def iter_hf_views(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine's weights under HF names (views: fused qkv / gate_up split back into rows),
+    in the form a trainer sends them: for a transformers model of the same weights, and
+    for benchmarks that sync the engine's own weights back into it."""
+    cfg: ModelConfig = model.config  # type: ignore[assignment]
+    params = dict(model.named_parameters())
+    for name in expected_hf_names(cfg):
+        param_name, rows = _target(cfg, name)  # type: ignore[misc]  (expected names are never ignored)
+        param = params[param_name]
+        yield name, param if rows is None else param[rows]
+
+
 def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool) -> list[WeightWrite]:
     """Map and validate a whole update. Raises ValueError naming the first bad tensor."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]

@@ -1,0 +1,119 @@
+"""Batch-invariant attention for deterministic mode (EngineConfig.deterministic).
+
+Every new token is one row that attends over its own request's KV up to and including its
+position, whatever kind of step it arrived in (a decode, a prefill chunk, a prompt resumed
+after retraction, a verified draft). Its result is a function of that KV alone: not of the
+batch, the chunk it was prefilled in, whether its prefix came from the radix cache, or
+whether it was decoded or recomputed. That is what makes the engine's log-probs repeatable
+bit for bit, and equal to a full-sequence recompute with the same kernels (the trainer's
+scoring path, rollout/rl/onpolicy.py).
+
+The KV is read in tiles of KV_TILE slots from position 0, and every reduction runs over a
+tile-shaped tensor in a fixed order: scores per tile, the row max over all tiles (exact),
+then exp, the sum and probs @ V tile by tile, accumulated in tile order. A tile past a row's
+end contributes exact zeros, so rows of different lengths in one call do not perturb each
+other. Transcendental ops (exp) only ever see tensors whose last dim is the tile (a multiple
+of the vector width), so no element falls into a scalar tail loop in one batch and a vector
+loop in another (the two round differently on CPU).
+
+On CUDA the same contract is kept by a Triton kernel (deterministic_triton.py: one program
+per row and KV head, fixed tiles, online softmax), which CUDA graphs replay. Costs: each row
+re-reads its request's KV (prefill rows included), and on CPU a step's scores are held in
+memory at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+from rollout.model.forward_batch import ForwardBatch
+
+KV_TILE = 64
+
+# None: the Triton kernel on CUDA, the torch tiles on CPU. Tests set True to run the kernel
+# on CPU tensors under TRITON_INTERPRET=1.
+use_triton: bool | None = None
+
+
+class DeterministicAttention(AttentionBackend):
+    name = "deterministic"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.triton = use_triton if use_triton is not None else self.pool.k_buffers[0].is_cuda
+        # decode graphs replay the kernel: it reads only device tensors (the torch path plans on the host)
+        self.graphable = self.triton
+        self._static_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def plan(self, batch: ForwardBatch) -> None:
+        super().plan(batch)
+        lengths: list[int] = []  # per token row: the KV it sees (its own position + 1)
+        starts: list[int] = []  # per token row: where its request's KV begins in kv_indices
+        reqs: list[int] = []  # per token row: its request
+        backs: list[int] = []  # per token row: how many of its request's new tokens follow it
+        kv_start = 0
+        for b, (n, seq_len) in enumerate(zip(batch.extend_lens, batch.seq_lens)):
+            lengths.extend(range(seq_len - n + 1, seq_len + 1))
+            starts.extend([kv_start] * n)
+            reqs.extend([b] * n)
+            backs.extend(range(n - 1, -1, -1))
+            kv_start += seq_len
+        device = batch.kv_indices.device
+        if self.triton:
+            self.row_req = torch.tensor(reqs, dtype=torch.int32, device=device)  # [T]
+            self.row_back = torch.tensor(backs, dtype=torch.int64, device=device)  # [T]
+        else:
+            self.row_lengths = torch.tensor(lengths, dtype=torch.int64, device=device)  # [T]
+            self.row_starts = torch.tensor(starts, dtype=torch.int64, device=device)  # [T]
+            self.num_tiles = -(-max(lengths, default=0) // KV_TILE)
+
+    def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
+        """A decode graph's rows are its requests (RowReq = arange, RowBack = 0), read from
+        buffers that outlive every capture (the largest graph is captured first)."""
+        super().plan(batch)
+        if self._static_rows is None:
+            n = batch.batch_size
+            device = batch.kv_indices.device
+            self._static_rows = (torch.arange(n, dtype=torch.int32, device=device),
+                                 torch.zeros(n, dtype=torch.int64, device=device))
+        self.row_req = self._static_rows[0][: batch.batch_size]
+        self.row_back = self._static_rows[1][: batch.batch_size]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               batch: ForwardBatch, out: torch.Tensor) -> None:
+        if self.triton:
+            from rollout.attention.deterministic_triton import rows_attention
+
+            rows_attention(q.contiguous(), k_buf, v_buf, batch.kv_indptr, batch.kv_indices, self.row_req,
+                           self.row_back, self.scale, out, KV_TILE)
+            return
+        t = q.shape[0]
+        if t == 0:
+            return
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        qg = q.float().view(t, hkv, group, d)  # the G query heads of a KV head as G rows
+        last = batch.kv_indices.numel() - 1
+        tiles = []
+        for i in range(self.num_tiles):
+            offsets = torch.arange(i * KV_TILE, (i + 1) * KV_TILE, device=q.device)
+            valid = offsets[None, :] < self.row_lengths[:, None]  # [T, TILE]
+            gather = (self.row_starts[:, None] + offsets[None, :]).clamp(max=last)
+            # invalid positions read slot 0 (the reserved padding page: zeros) and are masked
+            slots = torch.where(valid, batch.kv_indices[gather], 0).reshape(-1)
+            keys = k_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().permute(0, 2, 3, 1)  # [T, Hkv, D, TILE]
+            scores = torch.matmul(qg, keys) * self.scale  # [T, Hkv, G, TILE]
+            scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+            tiles.append((scores, slots))
+        row_max = tiles[0][0].amax(-1)
+        for scores, _ in tiles[1:]:
+            row_max = torch.maximum(row_max, scores.amax(-1))  # [T, Hkv, G]: exact in any order
+        total = torch.zeros_like(row_max)
+        acc = torch.zeros(t, hkv, group, d, dtype=torch.float32, device=q.device)
+        for scores, slots in tiles:
+            probs = torch.exp(scores - row_max[..., None])  # [T, Hkv, G, TILE]: 0 where masked
+            values = v_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().transpose(1, 2)  # [T, Hkv, TILE, D]
+            total = total + probs.sum(-1)
+            acc = acc + torch.matmul(probs, values)
+        out.copy_((acc / total[..., None]).view(t, self.num_heads, d))
