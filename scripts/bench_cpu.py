@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--grpo", type=int, nargs=2, default=[8, 8], metavar=("PROMPTS", "N"),
                         help="also a GRPO-shaped row: PROMPTS prompts x N samples (0 0 to skip)")
+    parser.add_argument("--deterministic", action="store_true", help="also EngineConfig(deterministic=True), same prompts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -63,12 +64,17 @@ def main() -> None:
 
     path = str(fetch_default_model())
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = Engine(EngineConfig(model=path, dtype="float32", device="cpu", max_running_requests=max(args.batches)))
+    engines = {"engine": Engine(EngineConfig(model=path, dtype="float32", device="cpu",
+                                             max_running_requests=max(args.batches)))}
+    if args.deterministic:
+        engines["deterministic"] = Engine(EngineConfig(model=path, dtype="float32", device="cpu", deterministic=True,
+                                                       max_running_requests=max(args.batches)))
     g = torch.Generator().manual_seed(0)
     # warm-up: first calls pay one-off allocation costs
     warm = torch.randint(100, 40000, (2, 16), generator=g)
     bench_hf(hf, warm, 4)
-    bench_engine(engine, warm, 4)
+    for engine in engines.values():
+        bench_engine(engine, warm, 4)
 
     rows = []
     runs = [(f"{b}", b, 1) for b in args.batches]
@@ -77,17 +83,23 @@ def main() -> None:
     for label, batch, n in runs:
         prompts = torch.randint(100, 40000, (batch, args.input_len), generator=g)
         hf_tps = bench_hf(hf, prompts, args.output_len, n)
-        engine.flush_cache()
-        eng_tps = bench_engine(engine, prompts, args.output_len, n)
-        rows.append((label, hf_tps, eng_tps))
-        print(f"batch {label}: transformers {hf_tps:.1f} tok/s, engine {eng_tps:.1f} tok/s", flush=True)
+        tps = []
+        for engine in engines.values():
+            engine.flush_cache()
+            tps.append(bench_engine(engine, prompts, args.output_len, n))
+        rows.append((label, hf_tps, tps))
+        print(f"batch {label}: transformers {hf_tps:.1f} tok/s, "
+              + ", ".join(f"{name} {t:.1f} tok/s" for name, t in zip(engines, tps)), flush=True)
 
     print(f"\nSmolLM2-135M fp32, in {args.input_len} / out {args.output_len}, {args.threads} threads, "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
-    print(f"{'batch':>10} | {'transformers tok/s':>18} | {'engine tok/s':>12} | {'ratio':>6}")
-    print(f"{'-' * 10}-+-{'-' * 18}-+-{'-' * 12}-+-{'-' * 6}")
-    for label, hf_tps, eng_tps in rows:
-        print(f"{label:>10} | {hf_tps:>18.1f} | {eng_tps:>12.1f} | {eng_tps / hf_tps:>5.2f}x")
+    det = " | deterministic tok/s | vs engine" if args.deterministic else ""
+    print(f"{'batch':>10} | {'transformers tok/s':>18} | {'engine tok/s':>12} | {'ratio':>6}{det}")
+    for label, hf_tps, tps in rows:
+        line = f"{label:>10} | {hf_tps:>18.1f} | {tps[0]:>12.1f} | {tps[0] / hf_tps:>5.2f}x"
+        if args.deterministic:
+            line += f" | {tps[1]:>19.1f} | {tps[1] / tps[0] - 1:>+8.0%}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -71,12 +71,17 @@ def main() -> None:
             chunked_engine = make(max_prefill_tokens=256, enable_radix_cache=False)
             chunked = run(chunked_engine, others + probes)
             del chunked_engine
+            _free()
             for name, got in (("among 64 others", mixed), ("chunks of 256, radix off", chunked)):
                 same_tokens = sum(a[0] == b[0] for a, b in zip(alone, got))
                 same_all = sum(a == b for a, b in zip(alone, got))
                 rows.append((mode, kind, name, same_tokens, same_all))
+                print(f"{mode}, {kind}, {name}: same tokens {same_tokens}/16, same tokens + log-probs {same_all}/16",
+                      flush=True)
             if kind == "sampled":
                 hf_distance[mode] = _distance_to_fp32(engine, probes, alone)
+                print(f"{mode}: |log-prob - fp32 recompute| mean {hf_distance[mode][0]:.2e}, max {hf_distance[mode][1]:.2e}",
+                      flush=True)
                 if deterministic:
                     scorer = OnPolicyScorer(model_dir, dtype=engine.config.torch_dtype, device=args.device)
                     scorer.load(iter_hf_views(engine.model))
@@ -84,9 +89,7 @@ def main() -> None:
                     scorer_equal = sum(s.raw == lp for s, (_, lp) in zip(scored, alone))
                     del scorer
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free()
 
     print(f"\n{args.shape}, {dtype}, {args.device}: 16 probe prompts x {args.new} tokens, alone vs batched")
     print(f"{'mode':<14} | {'sampling':<8} | {'batched':<26} | {'same tokens':>11} | {'same tokens + log-probs':>23}")
@@ -98,6 +101,12 @@ def main() -> None:
     print(f"OnPolicyScorer (deterministic, {dtype}): {scorer_equal}/16 sequences bitwise equal to the engine")
 
 
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _distance_to_fp32(engine, probes, outs) -> tuple[float, float]:
     """Mean / max |engine raw log-prob - transformers fp32| with the engine's weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -106,8 +115,11 @@ def _distance_to_fp32(engine, probes, outs) -> tuple[float, float]:
 
     config = AutoConfig.from_pretrained(engine.config.model)
     with torch.device(engine.device):
-        hf = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    hf.load_state_dict({n: t.float() for n, t in iter_hf_views(engine.model)}, strict=False)
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, tensor in iter_hf_views(engine.model):  # one tensor at a time: no second fp32 copy
+            params[name].copy_(tensor)
     diffs = []
     with torch.no_grad():
         for prompt, (tokens, logprobs) in zip(probes, outs):
