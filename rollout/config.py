@@ -79,6 +79,10 @@ class EngineConfig:
     speculative_governor: bool = True
     # which of q/k/v/o/gate/up/down_proj adapters may target (slots are allocated for these)
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # Tensor parallelism (rollout/model/parallel.py): the model's heads, MLP columns and vocab
+    # split over this many ranks (one GPU each), all running the same scheduler (SPMD). Under
+    # torchrun every rank builds the Engine; from one process, TPEngine spawns the workers.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         f = "EngineConfig."
@@ -140,6 +144,19 @@ class EngineConfig:
         check_bool(self.speculative_governor, f + "speculative_governor")
         if self.attention not in _ATTENTION:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
+        check_int(self.tensor_parallel_size, f + "tensor_parallel_size", min=1)
+        if self.tensor_parallel_size > 1:
+            # Not sharded yet, so refused rather than run wrong: LoRA slots hold whole-model
+            # A/B matrices (a row-parallel projection would need A split by input columns),
+            # and speculation's governor times steps, which differ across ranks (SPMD needs
+            # every rank to decide the same), and a draft model would need its own shards.
+            if self.enable_lora:
+                raise ValueError(f"{f}enable_lora=True with tensor_parallel_size={self.tensor_parallel_size}: "
+                                 "multi-LoRA is not sharded yet; use tensor_parallel_size=1 for LoRA")
+            if self.speculative is not None:
+                raise ValueError(f"{f}speculative={self.speculative!r} with tensor_parallel_size="
+                                 f"{self.tensor_parallel_size}: speculative decoding is not supported with tensor "
+                                 "parallelism yet")
 
     @property
     def overlap(self) -> bool:

@@ -20,6 +20,7 @@ from rollout.core.intake import Intake, Limits
 from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.outputs import Outputs
 from rollout.core.step import StepLoop
+from rollout.distributed.tp import TensorParallel
 from rollout.metrics import Counters, EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
@@ -32,7 +33,9 @@ log = logging.getLogger("rollout")
 
 
 class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, tensor_parallel: TensorParallel | None = None) -> None:
+        """`tensor_parallel`: this rank's TP group when tensor_parallel_size > 1 (None: TP
+        groups of consecutive ranks of the default group; see rollout/distributed/tp.py)."""
         if not isinstance(config, EngineConfig):
             raise TypeError(f"Engine(config): expected an EngineConfig, got {type(config).__name__}")
         self.config = config
@@ -44,7 +47,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             # workers only competes with the scheduler for cores (vLLM's workers do the same).
             log.info("torch intra-op threads %d -> 1 (EngineConfig.num_threads overrides)", torch.get_num_threads())
             torch.set_num_threads(1)
-        parts = build_parts(config, self.device)
+        parts = build_parts(config, self.device, tensor_parallel)
+        self.tp = parts.tp
         self.model_config = parts.model_config
         self.model = parts.model
         self.tokenizer = parts.tokenizer
@@ -201,7 +205,9 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             raise ValueError("update_weights: sleep(level=2) discarded the weights; the next update must be full=True")
         pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
         draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
-        writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
+        # every TP rank validates its shard, then all write or none does (TensorParallel.agree)
+        writes = self.tp.agree(lambda: plan_writes(self.model, pairs, full=full), "update_weights") \
+            if pairs or draft_writes is None else None
         if writes is not None:
             self._pause(pause_mode)
         if draft_writes is not None:  # between steps the draft holds no step's work: no pause
