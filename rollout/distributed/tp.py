@@ -12,7 +12,9 @@ Knows torch.distributed; not the model (rollout/model/parallel.py) nor the engin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -128,16 +130,29 @@ def tp_from_world(size: int, device: torch.device) -> TensorParallel:
         return SINGLE
     rank, world = check_tp_world(size)
     mine = None
-    for first in range(0, world, size):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(first, first + size)))
-        if first <= rank < first + size:
-            mine = group
+    with nonblocking_nccl():
+        for first in range(0, world, size):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(first, first + size)))
+            if first <= rank < first + size:
+                mine = group
     comm = device if dist.get_backend(mine) == "nccl" else torch.device("cpu")
     return TensorParallel(rank % size, size, mine, comm)
 
 
-def dp_index(size: int) -> tuple[int, int]:
-    """(this rank's data-parallel engine index, number of engines) under TP groups of `size`."""
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank() // size, dist.get_world_size() // size
+@contextmanager
+def nonblocking_nccl() -> Iterator[None]:
+    """NCCL groups made inside are asynchronous whatever TORCH_NCCL_BLOCKING_WAIT says (the
+    launchers set it for their default group, rollout/distributed/group.py): a TP group's
+    collectives run in every layer and inside decode CUDA graphs, where a blocking wait
+    would stall the host per collective, and would query events during graph capture,
+    which CUDA forbids. ProcessGroupNCCL reads the variable when it is built."""
+    before = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
+    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_NCCL_BLOCKING_WAIT"]
+        else:
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = before
+

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from rollout.config import EngineConfig
 from rollout.distributed.ports import free_port
-from rollout.distributed.tp import TensorParallel
+from rollout.distributed.tp import TensorParallel, nonblocking_nccl
 from rollout.engine import Engine
 from rollout.model.config import ModelConfig
 from rollout.model.parallel import check_tp_size
@@ -183,8 +183,9 @@ def _checksum(result: Any) -> int:
 def _join(rank: int, size: int, port: int, backend: str, timeout_s: float, device: torch.device) -> TensorParallel:
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None)
+    with nonblocking_nccl():
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None)
     group = dist.group.WORLD
     return TensorParallel(rank, size, group, device if backend == "nccl" else torch.device("cpu"))
 

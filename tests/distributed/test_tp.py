@@ -101,6 +101,12 @@ def test_weight_sync_into_tp2_is_atomic_across_ranks(llama: TinyModel, updated_h
         assert engine.stats().weight_version == 1
         assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == \
             [o.token_ids for o in after]
+        # sleep/wake composes: every rank drops its shard (level 2), the full sync refills them
+        engine.call("sleep", level=2)
+        engine.call("wake", tags=["weights"])
+        assert engine.update_weights(llama.hf.named_parameters(), full=True) == 2
+        engine.call("wake", tags=["kv_cache"])
+        check_against(llama.hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
 
 
 def test_broadcast_from_a_trainer_into_tp2(llama: TinyModel, updated_hf) -> None:
