@@ -88,7 +88,7 @@ class TensorParallel:
         result: T | None = None
         try:
             result = plan()
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # any failure, or the other ranks would wait in the all-reduce below
             error = e
         if self.size == 1:
             if error is not None:

@@ -38,7 +38,7 @@ from rollout.model.config import ModelConfig
 from rollout.model.parallel import check_tp_size
 from rollout.request import RolloutOutput, SamplingParams
 from rollout.server.codec import TENSOR_DTYPES, from_plain, pack, to_plain, unpack
-from rollout.validate import named_tensor_list
+from rollout.validate import named_tensor_list, token_ids
 
 log = logging.getLogger("rollout")
 _DTYPE_NAMES = {dtype: name for name, dtype in TENSOR_DTYPES.items()}
@@ -81,19 +81,25 @@ class TPEngine:
                     backend, str(timeout_s)]
             self._workers.append(subprocess.Popen(args, env=env))
         device = torch.device(rank_device(config.device, 0))
-        self.tp = _join(0, size, port, backend, timeout_s, device)
-        self.engine = Engine(dataclasses.replace(config, device=str(device)), tensor_parallel=self.tp)
+        try:
+            self.tp = _join(0, size, port, backend, timeout_s, device)
+            self.engine = Engine(dataclasses.replace(config, device=str(device)), tensor_parallel=self.tp)
+        except BaseException:
+            for worker in self._workers:  # they would wait for rank 0 until their timeout
+                worker.kill()
+            raise
         self.closed = False
 
     # ---- the API --------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompts: Sequence[str] | None = None) -> list[RolloutOutput]:
-        params = sampling_params or SamplingParams()
-        plain_params = to_plain(params) if isinstance(params, SamplingParams) else [to_plain(p) for p in params]
-        ids = [list(map(int, p)) for p in input_ids] if input_ids is not None else None
+        # checked here, before any rank sees it: a bad batch is refused with nothing sent
+        items = self.engine.intake.batch(input_ids, prompts, sampling_params)
+        ids = [token_ids(i, f"prompt {n}") for n, (i, _, _) in enumerate(items)] if input_ids is not None else None
+        params = [p for _, _, p in items]
         self._send({"op": "generate", "input_ids": ids, "prompts": list(prompts) if prompts is not None else None,
-                    "params": plain_params})
+                    "params": [to_plain(p) for p in params]})
         return self._run(lambda: run_generate(self.engine, ids, prompts, params))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool = False,
@@ -155,11 +161,11 @@ class TPEngine:
         except Exception as e:  # the workers report theirs; ours is raised after the check
             error = e
         reports = report(self.tp, error is None, self.engine.weight_version, _checksum(result))
-        if error is not None:
-            raise error
         if any(r != reports[0] for r in reports):
             raise RuntimeError(f"TP ranks disagree after a command ([ok, weight version, outputs checksum] per rank: "
-                               f"{reports}); a worker failed or diverged, see its log")
+                               f"{reports}); a rank failed or diverged, see its log") from error
+        if error is not None:
+            raise error  # every rank failed the same way (a refused update, a bad argument)
         return result
 
 
@@ -213,9 +219,7 @@ def worker_main(argv: list[str]) -> None:
 def _execute(engine: Engine, tp: TensorParallel, command: dict) -> Any:
     op = command["op"]
     if op == "generate":
-        raw = command["params"]
-        params = (from_plain(SamplingParams, raw, "params") if isinstance(raw, dict)
-                  else [from_plain(SamplingParams, p, f"params[{i}]") for i, p in enumerate(raw)])
+        params = [from_plain(SamplingParams, p, f"params[{i}]") for i, p in enumerate(command["params"])]
         return run_generate(engine, command["input_ids"], command["prompts"], params)
     if op == "update_weights":
         pairs = []

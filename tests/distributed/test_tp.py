@@ -82,6 +82,8 @@ def _with_nan(hf, name: str, column: int) -> list[tuple[str, torch.Tensor]]:
 def test_weight_sync_into_tp2_is_atomic_across_ranks(llama: TinyModel, updated_hf) -> None:
     prompts = make_prompts(llama.vocab_size, [6, 9], seed=11)
     with TPEngine(tp_config(llama.path)) as engine:
+        with pytest.raises(TypeError, match=r"prompt 1: token 1 is 4.5 \(float\); token ids must be ints"):  # refused before any rank sees it
+            engine.generate(input_ids=[[1, 2], [3, 4.5]])
         check_against(llama.hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
         # HF-named full tensors in; each rank keeps its shard; the version bumps on every rank
         # (TPEngine checks every rank's version after each call)
