@@ -189,5 +189,7 @@ def test_bench_broadcast_mode_runs_on_cpu(tiny: TinyModel, tmp_path: Path) -> No
     _check_ok(proc)
     rows = json.loads(out_file.read_text())["bench_broadcast"]["rows"]
     assert [r["name"].split(",")[0] for r in rows[:3]] == ["torch.distributed.broadcast", "weight group", "weight group"]
-    assert len(rows) == 5 and all(r["gb_s"] > 0 for r in rows)
+    assert len(rows) == 7 and all(r["gb_s"] > 0 for r in rows)
+    assert [r["name"] for r in rows[4:6]] == ["BroadcastSender -> receive, hold every bucket",
+                                              "engine.update_weights of held tensors"]
     assert "of torch bcast" in proc.stdout
