@@ -203,11 +203,9 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             raise RuntimeError("update_weights: the weights are asleep; wake(['weights']) first")
         if self.memory.weights_discarded and not full:
             raise ValueError("update_weights: sleep(level=2) discarded the weights; the next update must be full=True")
-        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
-        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
-        # every TP rank validates its shard, then all write or none does (TensorParallel.agree)
-        writes = self.tp.agree(lambda: plan_writes(self.model, pairs, full=full), "update_weights") \
-            if pairs or draft_writes is None else None
+        # every TP rank takes the stream and validates its shard, then all write or none does
+        # (a rank whose stream or shard fails makes every rank refuse: TensorParallel.agree)
+        writes, draft_writes = self.tp.agree(lambda: self._plan_update(named_tensors, full, target), "update_weights")
         if writes is not None:
             self._pause(pause_mode)
         if draft_writes is not None:  # between steps the draft holds no step's work: no pause
@@ -225,6 +223,13 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if draft_writes is not None:
             self.drafter.on_draft_update(self.weight_version)  # type: ignore[union-attr]
         return self.weight_version
+
+    def _plan_update(self, named_tensors: Iterable, full: bool, target: str) -> tuple[list | None, list | None]:
+        """(the target's writes, the draft's), all validated; None where nothing goes."""
+        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
+        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
+        writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
+        return writes, draft_writes
 
     def _split_draft(self, pairs: list, target: str) -> tuple[list, list]:
         """(the target's tensors, the draft's): by `target`, or by the "draft." name prefix."""
