@@ -146,17 +146,17 @@ class EngineConfig:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
         check_int(self.tensor_parallel_size, f + "tensor_parallel_size", min=1)
         if self.tensor_parallel_size > 1:
-            # Not sharded yet, so refused rather than run wrong: LoRA slots hold whole-model
-            # A/B matrices (a row-parallel projection would need A split by input columns),
-            # and speculation's governor times steps, which differ across ranks (SPMD needs
-            # every rank to decide the same), and a draft model would need its own shards.
+            # Refused rather than run wrong: LoRA slots hold whole-model A/B matrices (a
+            # row-parallel projection would need A split by input columns, not done yet); the
+            # speculation governor decides from step times, which differ across ranks, and
+            # SPMD needs every rank to decide the same (drafters themselves are deterministic;
+            # a draft model is replicated on every rank).
             if self.enable_lora:
                 raise ValueError(f"{f}enable_lora=True with tensor_parallel_size={self.tensor_parallel_size}: "
                                  "multi-LoRA is not sharded yet; use tensor_parallel_size=1 for LoRA")
-            if self.speculative is not None:
-                raise ValueError(f"{f}speculative={self.speculative!r} with tensor_parallel_size="
-                                 f"{self.tensor_parallel_size}: speculative decoding is not supported with tensor "
-                                 "parallelism yet")
+            if self.speculative is not None and self.speculative_governor:
+                raise ValueError(f"{f}speculative_governor=True with tensor_parallel_size={self.tensor_parallel_size}: "
+                                 "the governor times steps, which differ across TP ranks; set speculative_governor=False")
 
     @property
     def overlap(self) -> bool:

@@ -135,9 +135,10 @@ class TPEngine:
         self._send({"op": "close"})
         self.closed = True
         dist.destroy_process_group()
-        for worker in self._workers:
+        for rank, worker in enumerate(self._workers, start=1):
             try:
-                worker.wait(timeout=60)
+                if worker.wait(timeout=60):
+                    log.warning("TP rank %d exited with code %d", rank, worker.returncode)
             except subprocess.TimeoutExpired:
                 worker.kill()
 

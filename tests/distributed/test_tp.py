@@ -10,6 +10,7 @@ float32 summation order, which moves log-probs by ~1e-6, not more.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -60,6 +61,21 @@ def test_tp2_equals_tp1_and_transformers(tiny_model: TinyModel) -> None:
         assert got.token_ids == want.token_ids  # sampling too: every rank draws from the same gathered logits
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
     assert any(a.token_ids != b.token_ids for a, b in zip(sampled[::2], sampled[1::2]))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_speculative_decoding_with_tp2(llama: TinyModel, drafter: str) -> None:
+    """Drafters are deterministic (a draft model is replicated on every rank), so every rank
+    verifies the same drafts; with the governor off the output is plain decoding's."""
+    prompts = [p * 3 for p in make_prompts(llama.vocab_size, [5, 4], seed=4)]  # repeats: n-gram drafts
+    spec = dict(speculative=drafter, speculative_governor=False, draft_model=llama.path if drafter == "draft" else None)
+    want = Engine(EngineConfig(model=llama.path, page_size=4, **spec)).generate(input_ids=prompts, sampling_params=SAMPLED)
+    with TPEngine(dataclasses.replace(tp_config(llama.path), **spec)) as engine:
+        greedy = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        sampled = engine.generate(input_ids=prompts, sampling_params=SAMPLED)
+        assert engine.stats().counters["verify_steps"] > 0
+    check_against(llama.hf, prompts, greedy)
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in want]
 
 
 @pytest.fixture(scope="module")

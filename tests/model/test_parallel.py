@@ -43,7 +43,7 @@ def test_tp_without_a_process_group_says_how_to_launch(llama) -> None:
 
 
 @pytest.mark.parametrize(("extra", "field"), [(dict(enable_lora=True), "enable_lora"),
-                                              (dict(speculative="ngram"), "speculative")])
+                                              (dict(speculative="ngram"), "speculative_governor")])
 def test_tp_refuses_what_is_not_sharded_yet(llama, extra: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"EngineConfig.{field}=.* with tensor_parallel_size=2"):
         EngineConfig(model=llama.path, tensor_parallel_size=2, **extra)
