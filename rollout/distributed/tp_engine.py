@@ -34,6 +34,7 @@ from rollout.config import EngineConfig
 from rollout.distributed.ports import free_port
 from rollout.distributed.tp import TensorParallel, nonblocking_nccl
 from rollout.engine import Engine
+from rollout.metrics import EngineStats
 from rollout.model.config import ModelConfig
 from rollout.model.parallel import check_tp_size
 from rollout.request import RolloutOutput, SamplingParams
@@ -126,7 +127,8 @@ class TPEngine:
         self._send({"op": "call", "name": name, "kwargs": kwargs})
         return self._run(lambda: getattr(self.engine, name)(**kwargs))
 
-    def stats(self):
+    def stats(self) -> EngineStats:
+        """Rank 0's (every rank holds the same requests and counts)."""
         return self.engine.stats()
 
     def close(self) -> None:
