@@ -26,9 +26,13 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, logprobs_mode="raw", 
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, n=2, seed=5, logprobs_mode="raw", ignore_eos=True)
 
 
+# small pages and prefill chunks: longer prompts take several steps, some with no row that samples
+LAYOUT = dict(page_size=4, max_prefill_tokens=8)
+
+
 def tp_config(path: str, size: int = 2) -> EngineConfig:
     # one torch thread per rank: 2 ranks share the CI machine's 2 cores
-    return EngineConfig(model=path, tensor_parallel_size=size, num_threads=1, page_size=4)
+    return EngineConfig(model=path, tensor_parallel_size=size, num_threads=1, **LAYOUT)
 
 
 def hf_greedy_and_logprobs(hf, prompt: list[int], completion: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -50,7 +54,7 @@ def check_against(hf, prompts: list[list[int]], outs) -> None:
 def test_tp2_equals_tp1_and_transformers(tiny_model: TinyModel) -> None:
     """Every tiny architecture (GQA, MHA + llama3 rope, qkv bias + tied vocab, q/k norm)."""
     prompts = make_prompts(tiny_model.vocab_size, [5, 11, 3, 8], seed=3)
-    one = Engine(EngineConfig(model=tiny_model.path, page_size=4))
+    one = Engine(EngineConfig(model=tiny_model.path, **LAYOUT))
     want_greedy = one.generate(input_ids=prompts, sampling_params=GREEDY)
     want_sampled = one.generate(input_ids=prompts, sampling_params=SAMPLED)
     with TPEngine(tp_config(tiny_model.path)) as engine:
@@ -69,7 +73,7 @@ def test_speculative_decoding_with_tp2(llama: TinyModel, drafter: str) -> None:
     verifies the same drafts; with the governor off the output is plain decoding's."""
     prompts = [p * 3 for p in make_prompts(llama.vocab_size, [5, 4], seed=4)]  # repeats: n-gram drafts
     spec = dict(speculative=drafter, speculative_governor=False, draft_model=llama.path if drafter == "draft" else None)
-    want = Engine(EngineConfig(model=llama.path, page_size=4, **spec)).generate(input_ids=prompts, sampling_params=SAMPLED)
+    want = Engine(EngineConfig(model=llama.path, **LAYOUT, **spec)).generate(input_ids=prompts, sampling_params=SAMPLED)
     with TPEngine(dataclasses.replace(tp_config(llama.path), **spec)) as engine:
         greedy = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         sampled = engine.generate(input_ids=prompts, sampling_params=SAMPLED)
