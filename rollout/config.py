@@ -146,14 +146,9 @@ class EngineConfig:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
         check_int(self.tensor_parallel_size, f + "tensor_parallel_size", min=1)
         if self.tensor_parallel_size > 1:
-            # Refused rather than run wrong: LoRA slots hold whole-model A/B matrices (a
-            # row-parallel projection would need A split by input columns, not done yet); the
-            # speculation governor decides from step times, which differ across ranks, and
-            # SPMD needs every rank to decide the same (drafters themselves are deterministic;
-            # a draft model is replicated on every rank).
-            if self.enable_lora:
-                raise ValueError(f"{f}enable_lora=True with tensor_parallel_size={self.tensor_parallel_size}: "
-                                 "multi-LoRA is not sharded yet; use tensor_parallel_size=1 for LoRA")
+            # Refused rather than run wrong: the speculation governor decides from step
+            # times, which differ across ranks, and SPMD needs every rank to decide the same
+            # (drafters themselves are deterministic; a draft model is replicated per rank).
             if self.speculative is not None and self.speculative_governor:
                 raise ValueError(f"{f}speculative_governor=True with tensor_parallel_size={self.tensor_parallel_size}: "
                                  "the governor times steps, which differ across TP ranks; set speculative_governor=False")

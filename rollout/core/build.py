@@ -153,7 +153,7 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaModel, device
     from lora.pool import LoraPool
 
     pool = LoraPool(cfg, config.max_loras_per_batch, config.max_lora_rank, config.lora_target_modules,
-                    config.torch_dtype, device)
+                    config.torch_dtype, device, model.tp)
     for layer, name, linear in model.projections():
         linear.lora = pool.hook(layer, name)
     log.info("LoRA: %d slots of rank <= %d on %s (%.2f GiB)", pool.num_slots, pool.max_rank,

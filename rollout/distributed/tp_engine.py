@@ -46,7 +46,9 @@ _DTYPE_NAMES = {dtype: name for name, dtype in TENSOR_DTYPES.items()}
 _MAX_COMMAND_BYTES = 1 << 30
 # Engine methods a command may name, with plain (msgpack) arguments only
 _CALLS = ("sleep", "wake", "flush_cache", "update_weights_from_disk", "init_weight_sync_group",
-          "update_weights_from_distributed", "destroy_weight_sync_group")
+          "update_weights_from_distributed", "destroy_weight_sync_group", "load_lora_adapter", "unload_lora_adapter")
+# Engine methods whose `named_tensors` travel as raw broadcasts after the command
+_TENSOR_CALLS = ("update_weights", "update_lora_adapter")
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -94,38 +96,48 @@ class TPEngine:
     # ---- the API --------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[Sequence[int]] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 prompts: Sequence[str] | None = None) -> list[RolloutOutput]:
+                 prompts: Sequence[str] | None = None, lora_name: str | None | Sequence[str | None] = None,
+                 ) -> list[RolloutOutput]:
         # checked here, before any rank sees it: a bad batch is refused with nothing sent
         items = self.engine.intake.batch(input_ids, prompts, sampling_params)
+        adapters = self.engine.intake.lora_names(lora_name, len(items))
         ids = [token_ids(i, f"prompt {n}") for n, (i, _, _) in enumerate(items)] if input_ids is not None else None
         params = [p for _, _, p in items]
         self._send({"op": "generate", "input_ids": ids, "prompts": list(prompts) if prompts is not None else None,
-                    "params": [to_plain(p) for p in params]})
-        return self._run(lambda: run_generate(self.engine, ids, prompts, params))
+                    "params": [to_plain(p) for p in params], "lora_name": adapters})
+        return self._run(lambda: run_generate(self.engine, ids, prompts, params, adapters))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool = False,
                        pause_mode: str = "retract") -> int:
         """The trainer's HF-named full tensors go to every rank; each keeps its shard, and
         the update is all-or-nothing across the ranks (Engine.update_weights agrees)."""
+        return self._with_tensors("update_weights", named_tensors, full=full, pause_mode=pause_mode)
+
+    def update_lora_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                            pause_mode: str = "retract") -> int:
+        """An adapter's new tensors (PEFT names, whole) to every rank; each keeps its part."""
+        return self._with_tensors("update_lora_adapter", named_tensors, name=name, pause_mode=pause_mode)
+
+    def _with_tensors(self, method: str, named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> Any:
         pairs = named_tensor_list(named_tensors)
         for name, tensor in pairs:
             if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPE_NAMES:
-                raise ValueError(f"update_weights: parameter {name!r}: expected a tensor of one of "
+                raise ValueError(f"{method}: parameter {name!r}: expected a tensor of one of "
                                  f"{sorted(TENSOR_DTYPES)}, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
         meta = [{"name": n, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape)} for n, t in pairs]
-        self._send({"op": "update_weights", "tensors": meta, "full": full, "pause_mode": pause_mode})
+        self._send({"op": "tensors", "name": method, "tensors": meta, "kwargs": kwargs})
         for _, tensor in pairs:
             dist.broadcast(tensor.detach().to(self.tp.device).contiguous(), src=0, group=self.tp.group)
-        return self._run(lambda: self.engine.update_weights(pairs, full=full, pause_mode=pause_mode))
+        return self._run(lambda: getattr(self.engine, method)(named_tensors=pairs, **kwargs))
 
-    def call(self, name: str, **kwargs: Any) -> Any:
-        """One of Engine's plain-argument methods (_CALLS) on every rank. For
+    def call(self, method: str, /, **kwargs: Any) -> Any:
+        """One of Engine's plain-argument methods (_CALLS) on every rank, by keyword. For
         init_weight_sync_group, rank r joins as rank_offset + r (pass the world size that
         counts all TP ranks)."""
-        if name not in _CALLS:
-            raise ValueError(f"TPEngine.call: {name!r} is not one of {_CALLS}")
-        self._send({"op": "call", "name": name, "kwargs": kwargs})
-        return self._run(lambda: getattr(self.engine, name)(**kwargs))
+        if method not in _CALLS:
+            raise ValueError(f"TPEngine.call: {method!r} is not one of {_CALLS}")
+        self._send({"op": "call", "name": method, "kwargs": kwargs})
+        return self._run(lambda: getattr(self.engine, method)(**kwargs))
 
     def stats(self) -> EngineStats:
         """Rank 0's (every rank holds the same requests and counts)."""
@@ -172,8 +184,8 @@ class TPEngine:
         return result
 
 
-def run_generate(engine: Engine, ids, prompts, params) -> list[RolloutOutput]:
-    return engine.generate(input_ids=ids, sampling_params=params, prompts=prompts)
+def run_generate(engine: Engine, ids, prompts, params, adapters) -> list[RolloutOutput]:
+    return engine.generate(input_ids=ids, sampling_params=params, prompts=prompts, lora_name=adapters)
 
 
 def report(tp: TensorParallel, ok: bool, version: int, checksum: int) -> list[list[int]]:
@@ -223,14 +235,14 @@ def _execute(engine: Engine, tp: TensorParallel, command: dict) -> Any:
     op = command["op"]
     if op == "generate":
         params = [from_plain(SamplingParams, p, f"params[{i}]") for i, p in enumerate(command["params"])]
-        return run_generate(engine, command["input_ids"], command["prompts"], params)
-    if op == "update_weights":
+        return run_generate(engine, command["input_ids"], command["prompts"], params, command["lora_name"])
+    if op == "tensors" and command["name"] in _TENSOR_CALLS:
         pairs = []
         for meta in command["tensors"]:  # every tensor is received, so the group stays in step
             tensor = torch.empty(meta["shape"], dtype=TENSOR_DTYPES[meta["dtype"]], device=tp.device)
             dist.broadcast(tensor, src=0, group=tp.group)
             pairs.append((meta["name"], tensor))
-        return engine.update_weights(pairs, full=command["full"], pause_mode=command["pause_mode"])
+        return getattr(engine, command["name"])(named_tensors=pairs, **command["kwargs"])
     if op == "call" and command["name"] in _CALLS:
         kwargs = dict(command["kwargs"])
         if command["name"] == "init_weight_sync_group":

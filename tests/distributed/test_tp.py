@@ -82,6 +82,38 @@ def test_speculative_decoding_with_tp2(llama: TinyModel, drafter: str) -> None:
     assert [o.token_ids for o in sampled] == [o.token_ids for o in want]
 
 
+def test_multi_lora_with_tp2(llama: TinyModel, tmp_path_factory) -> None:
+    """Three adapters and the base model in one batch, each rank holding its part of every
+    slot (B's rows of qkv / gate_up, A's columns of o_proj / down_proj), against peft; then a
+    LoRA-only update reaches every rank's part."""
+    pytest.importorskip("peft")
+    from peft_ref import PeftRef, randomize_adapter
+    from weightsync import iter_hf_weights
+
+    ref = PeftRef(llama, tmp_path_factory.mktemp("tp_adapters"))
+    prompts = make_prompts(llama.vocab_size, [6, 3, 9, 5], seed=21)
+    adapters = ["a", None, "b", "c"]
+    config = dataclasses.replace(tp_config(llama.path), enable_lora=True, max_loras_per_batch=2, max_lora_rank=8)
+    with TPEngine(config) as engine:  # 2 slots for 3 adapters: one is swapped out and back in
+        for name, path in ref.dirs.items():
+            engine.call("load_lora_adapter", name=name, path=path)
+        outs = engine.generate(input_ids=prompts + prompts, sampling_params=GREEDY, lora_name=adapters + adapters[::-1])
+        for prompt, adapter, out in zip(prompts + prompts, adapters + adapters[::-1], outs):
+            assert out.token_ids == ref.greedy(adapter, prompt)
+            torch.testing.assert_close(torch.tensor(out.logprobs), ref.logprobs(adapter, prompt, out.token_ids),
+                                       atol=1e-4, rtol=0)
+        trainer = copy.deepcopy(ref.model)
+        trainer.set_adapter("a")
+        randomize_adapter(trainer, "a", seed=901)
+        assert engine.update_lora_adapter("a", iter_hf_weights(trainer, adapter_only=True)) == 1
+        out = engine.generate(input_ids=prompts[:1], sampling_params=GREEDY, lora_name="a")[0]
+    trainer.eval()
+    with torch.no_grad():
+        want = trainer.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=len(out.token_ids), do_sample=False,
+                                eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long))
+    assert out.token_ids == want[0, len(prompts[0]):].tolist()
+
+
 @pytest.fixture(scope="module")
 def updated_hf(llama: TinyModel):
     """The tiny Llama after a fake optimizer step: every weight moved."""

@@ -1,5 +1,5 @@
 """rollout/model/parallel.py without processes: which TP sizes a model allows (refused by
-name, before any process group or spawn), what TP refuses for now, and the shard maps."""
+name, before any process group or spawn), what TP refuses, and the shard maps."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def test_tp_without_a_process_group_says_how_to_launch(llama) -> None:
         Engine(EngineConfig(model=llama.path, tensor_parallel_size=2))
 
 
-@pytest.mark.parametrize(("extra", "field"), [(dict(enable_lora=True), "enable_lora"),
-                                              (dict(speculative="ngram"), "speculative_governor")])
-def test_tp_refuses_what_is_not_sharded_yet(llama, extra: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=rf"EngineConfig.{field}=.* with tensor_parallel_size=2"):
-        EngineConfig(model=llama.path, tensor_parallel_size=2, **extra)
+def test_tp_refuses_the_speculation_governor(llama) -> None:
+    """It decides from step times, which differ across ranks (SPMD needs the same decisions)."""
+    with pytest.raises(ValueError, match=r"EngineConfig.speculative_governor=True with tensor_parallel_size=2: .* "
+                                         r"set speculative_governor=False"):
+        EngineConfig(model=llama.path, tensor_parallel_size=2, speculative="ngram")
 
 
 def test_shards_tile_the_full_tensor() -> None:
