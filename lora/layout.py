@@ -1,6 +1,8 @@
 """Where each LoRA target sits in the engine's model: the engine fuses q/k/v into one
 `qkv_proj` and gate/up into `gate_up_proj`, so an adapter on q_proj is slice 0 of
-qkv_proj's LoRA, k_proj slice 1, and so on. Knows shapes (from ModelConfig), nothing else.
+qkv_proj's LoRA, k_proj slice 1, and so on. Under tensor parallelism a rank holds its
+shard of each module (rollout/model/parallel.py), so the shapes here are per rank.
+Knows shapes (from ModelConfig), nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ HF_TO_ENGINE: dict[str, tuple[str, int]] = {
     "down_proj": ("down_proj", 0),
 }
 ENGINE_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# split by input columns under TP (the others by output rows)
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,12 @@ class ModuleShape:
         return tuple(offsets)
 
 
-def module_shapes(cfg: ModelConfig) -> dict[str, ModuleShape]:
-    h, i = cfg.hidden_size, cfg.intermediate_size
+def module_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, ModuleShape]:
+    """Each engine module's shape on one of `tp_size` ranks."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size // tp_size, cfg.q_size // tp_size, cfg.kv_size // tp_size
     return {
-        "qkv_proj": ModuleShape("qkv_proj", h, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
-        "o_proj": ModuleShape("o_proj", cfg.q_size, (h,)),
+        "qkv_proj": ModuleShape("qkv_proj", h, (q, kv, kv)),
+        "o_proj": ModuleShape("o_proj", q, (h,)),
         "gate_up_proj": ModuleShape("gate_up_proj", h, (i, i)),
         "down_proj": ModuleShape("down_proj", i, (h,)),
     }

@@ -6,6 +6,11 @@ For every layer and every engine module an adapter may target, two buffers hold 
 plus `slot_ranks` [num_slots] int32. Their addresses never change, so a decode CUDA graph
 captured once replays any mix of adapters: a step only writes which slot each request uses.
 
+Under tensor parallelism (`tp`) the buffers hold this rank's part: B's output rows of a
+column-parallel module (qkv, gate_up) and A's input columns of a row-parallel one (o_proj,
+down_proj), whose delta B(A_r x_r) is then summed with the base output by the all-reduce.
+Adapters arrive and are kept whole on the host; each rank copies its part in and out.
+
 The pool knows buffers and slot contents; which adapter sits in which slot, and when one
 may be replaced, is LoraManager's business (manager.py).
 """
@@ -14,9 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from lora.layout import HF_TO_ENGINE, ModuleShape, engine_modules_for, module_shapes
+from lora.layout import HF_TO_ENGINE, ROW_PARALLEL, ModuleShape, engine_modules_for, module_shapes
 from lora.ops import sgmv_expand, sgmv_shrink
+from rollout.distributed.tp import SINGLE, TensorParallel
 from rollout.model.config import ModelConfig
+from rollout.model.parallel import take_shard
 from rollout.model.forward_batch import LoraInputs
 
 # (layer, HF module name) -> (lora_A [rank, in], lora_B * scaling [out, rank]), model dtype
@@ -25,11 +32,11 @@ EngineAdapter = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 class LoraPool:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, targets: tuple[str, ...],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> None:
         if device.type == "cuda" and device.index is None:  # "cuda" -> "cuda:N", so device checks compare equal
             device = torch.device("cuda", torch.cuda.current_device())
-        self.num_slots, self.max_rank, self.device = num_slots, max_rank, device
-        shapes = module_shapes(cfg)
+        self.num_slots, self.max_rank, self.device, self.tp = num_slots, max_rank, device, tp
+        shapes = module_shapes(cfg, tp.size)
         self.shapes: dict[str, ModuleShape] = {m: shapes[m] for m in engine_modules_for(targets)}
         self.targets = frozenset(targets)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
@@ -48,6 +55,17 @@ class LoraPool:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
     # ---- slot contents ----------------------------------------------------------------
+    def _local(self, hf_module: str, which: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of an adapter's A [rank, in] or B [out, rank] (a view)."""
+        if self.tp.size == 1:
+            return whole
+        row_parallel = HF_TO_ENGINE[hf_module][0] in ROW_PARALLEL
+        if which == "A" and row_parallel:
+            return take_shard(whole, 1, self.tp)
+        if which == "B" and not row_parallel:
+            return take_shard(whole, 0, self.tp)
+        return whole
+
     def _views(self, slot: int, layer: int, hf_module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The parts of `slot`'s buffers that hold one module's A [rank, in] and B [out, rank]."""
         key = (slot, layer, hf_module, rank)
@@ -72,8 +90,8 @@ class LoraPool:
             self.b[key][slot].zero_()
         for (layer, hf_module), (a, b) in adapter.items():
             a_dst, b_dst = self._views(slot, layer, hf_module, rank)
-            a_dst.copy_(a, non_blocking=True)
-            b_dst.copy_(b, non_blocking=True)
+            a_dst.copy_(self._local(hf_module, "A", a), non_blocking=True)
+            b_dst.copy_(self._local(hf_module, "B", b), non_blocking=True)
         self.slot_ranks[slot] = rank
 
     @torch.no_grad()
@@ -85,6 +103,7 @@ class LoraPool:
         a_dst, a_src, b_dst, b_src = [], [], [], []
         for layer, hf_module, which, value in parts:
             views = self._views(slot, layer, hf_module, rank)
+            value = self._local(hf_module, which, value)
             if value.device != self.device:
                 value = value.to(self.device, non_blocking=True)
             if which == "A":
@@ -101,11 +120,12 @@ class LoraPool:
 
     @torch.no_grad()
     def read(self, slot: int, adapter: EngineAdapter, rank: int) -> None:
-        """Copy `slot`'s contents back into the host tensors of `adapter` (in place)."""
+        """Copy `slot`'s contents back into the host tensors of `adapter` (in place; under
+        TP into this rank's part of them, the only part this rank ever reads)."""
         for (layer, hf_module), (a, b) in adapter.items():
             a_src, b_src = self._views(slot, layer, hf_module, rank)
-            a.copy_(a_src)
-            b.copy_(b_src)
+            self._local(hf_module, "A", a).copy_(a_src)
+            self._local(hf_module, "B", b).copy_(b_src)
 
     def forget_views(self) -> None:
         """Drop cached slot views (they would keep released buffers' storage alive)."""

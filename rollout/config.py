@@ -84,6 +84,10 @@ class EngineConfig:
     deterministic: bool = False
     # which of q/k/v/o/gate/up/down_proj adapters may target (slots are allocated for these)
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # Tensor parallelism (rollout/model/parallel.py): the model's heads, MLP columns and vocab
+    # split over this many ranks (one GPU each), all running the same scheduler (SPMD). Under
+    # torchrun every rank builds the Engine; from one process, TPEngine spawns the workers.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         f = "EngineConfig."
@@ -152,6 +156,19 @@ class EngineConfig:
                              "yet (an adapter's delta is computed per segment of rows)")
         if self.attention not in _ATTENTION:
             raise ValueError(f"{f}attention={self.attention!r}: expected one of {_ATTENTION}")
+        check_int(self.tensor_parallel_size, f + "tensor_parallel_size", min=1)
+        if self.tensor_parallel_size > 1:
+            # Refused rather than run wrong: the speculation governor decides from step
+            # times, which differ across ranks, and SPMD needs every rank to decide the same
+            # (drafters themselves are deterministic; a draft model is replicated per rank).
+            if self.speculative is not None and self.speculative_governor:
+                raise ValueError(f"{f}speculative_governor=True with tensor_parallel_size={self.tensor_parallel_size}: "
+                                 "the governor times steps, which differ across TP ranks; set speculative_governor=False")
+            # Row-parallel outputs are summed across ranks: a + b is exact in either order,
+            # but a sum of three or more follows the collective's chunking, i.e. the batch.
+            if self.deterministic and self.tensor_parallel_size > 2:
+                raise ValueError(f"{f}tensor_parallel_size={self.tensor_parallel_size} with deterministic=True: the "
+                                 "all-reduce of more than two ranks is not batch-invariant; use at most 2")
 
     @property
     def overlap(self) -> bool:

@@ -20,6 +20,7 @@ from rollout.core.intake import Intake, Limits
 from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.outputs import Outputs
 from rollout.core.step import StepLoop
+from rollout.distributed.tp import TensorParallel
 from rollout.metrics import Counters, EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
@@ -32,7 +33,9 @@ log = logging.getLogger("rollout")
 
 
 class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, tensor_parallel: TensorParallel | None = None) -> None:
+        """`tensor_parallel`: this rank's TP group when tensor_parallel_size > 1 (None: TP
+        groups of consecutive ranks of the default group; see rollout/distributed/tp.py)."""
         if not isinstance(config, EngineConfig):
             raise TypeError(f"Engine(config): expected an EngineConfig, got {type(config).__name__}")
         self.config = config
@@ -44,7 +47,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             # workers only competes with the scheduler for cores (vLLM's workers do the same).
             log.info("torch intra-op threads %d -> 1 (EngineConfig.num_threads overrides)", torch.get_num_threads())
             torch.set_num_threads(1)
-        parts = build_parts(config, self.device)
+        parts = build_parts(config, self.device, tensor_parallel)
+        self.tp = parts.tp
         self.model_config = parts.model_config
         self.model = parts.model
         self.tokenizer = parts.tokenizer
@@ -199,9 +203,9 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             raise RuntimeError("update_weights: the weights are asleep; wake(['weights']) first")
         if self.memory.weights_discarded and not full:
             raise ValueError("update_weights: sleep(level=2) discarded the weights; the next update must be full=True")
-        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
-        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
-        writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
+        # every TP rank takes the stream and validates its shard, then all write or none does
+        # (a rank whose stream or shard fails makes every rank refuse: TensorParallel.agree)
+        writes, draft_writes = self.tp.agree(lambda: self._plan_update(named_tensors, full, target), "update_weights")
         if writes is not None:
             self._pause(pause_mode)
         if draft_writes is not None:  # between steps the draft holds no step's work: no pause
@@ -219,6 +223,13 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if draft_writes is not None:
             self.drafter.on_draft_update(self.weight_version)  # type: ignore[union-attr]
         return self.weight_version
+
+    def _plan_update(self, named_tensors: Iterable, full: bool, target: str) -> tuple[list | None, list | None]:
+        """(the target's writes, the draft's), all validated; None where nothing goes."""
+        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
+        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
+        writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
+        return writes, draft_writes
 
     def _split_draft(self, pairs: list, target: str) -> tuple[list, list]:
         """(the target's tensors, the draft's): by `target`, or by the "draft." name prefix."""

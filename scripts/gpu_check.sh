@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: GPU tests, a decode-step profile, then the rollout and
 # weight-sync benchmarks. Logs land in $OUT (the device tool brings them back). Each stage
 # has its own time limit so a hang in one still returns the others' figures.
-#   STAGES="tests profile rollout weightsync lora"   (default: the first four)
+#   STAGES="tests profile rollout weightsync lora tp"   (default: the first four; tp needs 2 GPUs)
 #   PROFILE="256:flashinfer:off 1:flashinfer:on"   (batch:attention:overlap per profile run)
 #   ATTENTION="flashinfer triton"  OVERLAP="on off"  WORKLOADS="b a"  for the rollout bench
 set -u
@@ -31,6 +31,13 @@ if [[ " $STAGES " == *" rollout "* ]]; then
 fi
 if [[ " $STAGES " == *" weightsync "* ]]; then
   timeout "${WS_S:-120}" python3 -m scripts.bench_weightsync --repeats 3 2>&1 | grep -v Loading | tee "$OUT/weightsync.log" | tail -8
+fi
+if [[ " $STAGES " == *" tp "* ]]; then  # needs nvidia-h200-x2; the three limits fit one 600 s call
+  timeout "${TP_TEST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider tests/distributed/test_tp_gpu.py 2>&1 | tail -8 | tee "$OUT/tp_tests.log"
+  timeout "${TP_S:-330}" python3 -m scripts.bench_tp --model llama8b --tp 2 --device cuda --dtype bfloat16 --output "$OUT/tp.json" 2>&1 \
+    | grep -v Loading | tee "$OUT/tp.log" | tail -12
+  timeout "${BB_S:-140}" torchrun --nproc-per-node 2 scripts/launch_disagg.py --bench-broadcast --model llama8b --device cuda \
+    --dtype bfloat16 2>&1 | grep -v Loading | tee "$OUT/broadcast.log" | tail -10
 fi
 if [[ " $STAGES " == *" lora "* ]]; then
   timeout "${LORA_S:-200}" python3 -m lora.kernels.bench 2>&1 | tee "$OUT/sgmv.log" | tail -30

@@ -6,7 +6,8 @@ across ranks, results gathered on rank 0 in the original order (prompt-major, th
         [--samples 1] [--temperature 0] [--max-new-tokens 128] [--seed 0] [--split strided|contiguous] \\
         [--warmup] [--output results.json]
 
-With --device cuda each rank runs on cuda:LOCAL_RANK. Throughput scaling 1 -> N GPUs: run
+With --device cuda each rank runs on cuda:LOCAL_RANK. --tp T: each engine is a TP group of T
+consecutive ranks (DP x TP: --nproc-per-node = engines x T; the prompts split over engines). Throughput scaling 1 -> N GPUs: run
 the same workload with --nproc-per-node 1 and N (e.g. --model llama8b for random weights
 shaped like Llama-3.1-8B, --ignore-eos, --warmup) and compare the "aggregate tok/s" lines.
 
@@ -57,6 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (per request); -1: engine-drawn")
     parser.add_argument("--seed-per-prompt", action="store_true", help="prompt i gets seed + i (else all share --seed)")
     parser.add_argument("--split", choices=("strided", "contiguous"), default="strided")
+    parser.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel ranks per engine (divides the world)")
     parser.add_argument("--warmup", action="store_true", help="one short untimed rollout first (compiles kernels / graphs)")
     parser.add_argument("--repeats", type=int_at_least(1), default=1, help="timed rollouts; the summary reports each")
     parser.add_argument("--output", default=None, help="rank 0 writes outputs and summary here (JSON)")
@@ -67,12 +69,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     ctx = init_distributed(resolve_backend(args), args.device, args.timeout_s, lambda r: f"rollout rank {r}")
     with phase(ctx, "build engine"):
-        engine = build_engine(args, ctx.device)
+        engine = build_engine(args, ctx.device, tensor_parallel_size=args.tp)
         prompts = load_prompts(args.prompts, vocab_size=engine.model_config.vocab_size, num_prompts=args.num_prompts,
                                prompt_len=args.prompt_len, seed=args.seed, tokenizer=engine.tokenizer)
         params = make_params(args, len(prompts))
     if args.warmup:
-        warm = [p[:16] for p in prompts[: 2 * ctx.world_size]]
+        warm = [p[:16] for p in prompts[: 2 * ctx.world_size // args.tp]]
         run_dp_rollout(engine, warm, SamplingParams(max_new_tokens=8, temperature=0), ctx, label="warmup")
         engine.flush_cache()  # the timed run must not start with the warm-up's prefixes cached
     maybe_die(ctx, args, step=1)
@@ -90,7 +92,7 @@ def report(args: argparse.Namespace, ctx: DistContext, runs: list[DPRollout]) ->
     summaries = []
     for i, run in enumerate(runs):
         summary = {
-            "world_size": ctx.world_size, "backend": ctx.backend, "device": args.device, "model": args.model,
+            "world_size": ctx.world_size, "tensor_parallel_size": args.tp, "backend": ctx.backend, "device": args.device, "model": args.model,
             "prompts": len({o.prompt_index for o in run.outputs}), "samples": len(run.outputs), "tokens": run.tokens,
             "wall_s": run.wall_seconds, "aggregate_tok_s": run.tokens / run.wall_seconds,
             "rank_seconds": run.rank_seconds, "rank_tokens": run.rank_tokens, "rank_prompts": run.rank_prompts,
@@ -98,10 +100,10 @@ def report(args: argparse.Namespace, ctx: DistContext, runs: list[DPRollout]) ->
         }
         summaries.append(summary)
         slowest = max(run.rank_seconds)
-        print(f"[dp rollout {i + 1}/{len(runs)}] {ctx.world_size} ranks ({ctx.backend}, {args.device}): "
+        print(f"[dp rollout {i + 1}/{len(runs)}] {ctx.world_size} ranks, TP {args.tp} ({ctx.backend}, {args.device}): "
               f"{summary['samples']} samples, {run.tokens} tokens in {run.wall_seconds:.2f} s -> "
-              f"aggregate {summary['aggregate_tok_s']:.1f} tok/s; per rank "
-              f"{[round(x, 1) for x in summary['per_rank_tok_s']]} tok/s, slowest rank {slowest:.2f} s", flush=True)
+              f"aggregate {summary['aggregate_tok_s']:.1f} tok/s; per engine "
+              f"{[round(x, 1) for x in summary['per_rank_tok_s']]} tok/s, slowest engine {slowest:.2f} s", flush=True)
     if args.output:
         doc = {"summary": summaries[-1], "runs": summaries, "outputs": [output_to_json(o) for o in runs[-1].outputs]}
         Path(args.output).write_text(json.dumps(doc))

@@ -126,3 +126,20 @@ def test_the_gpu_kernels_under_the_interpreter(llama: TinyModel, monkeypatch) ->
     assert mixed == alone
     greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     assert [t for t, _ in _run(llama, probe, greedy)] == [llama.greedy(probe[0], 4)]
+
+
+def test_deterministic_with_two_tp_ranks(llama: TinyModel) -> None:
+    """TP=2 (gloo, two processes): the row-parallel all-reduce adds two partial sums, exact in
+    either order, so a probe is still bitwise the same alone and batched; more ranks are refused."""
+    from rollout.distributed.tp_engine import TPEngine
+
+    probe, others = make_prompts(llama.vocab_size, [21], seed=3), make_prompts(llama.vocab_size, [9, 30], seed=4)
+    engine = TPEngine(EngineConfig(model=llama.path, deterministic=True, tensor_parallel_size=2))
+    try:
+        alone = [(o.token_ids, o.logprobs) for o in engine.generate(input_ids=probe, sampling_params=SAMPLED)]
+        mixed = engine.generate(input_ids=others + probe, sampling_params=SAMPLED)[2:]
+        assert [(o.token_ids, o.logprobs) for o in mixed] == alone
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 with deterministic=True"):
+        EngineConfig(model=llama.path, deterministic=True, tensor_parallel_size=3)

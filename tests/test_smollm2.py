@@ -112,3 +112,25 @@ def test_speculative_greedy_with_tight_kv_and_eight_samples(smollm2, chats, draf
     assert c["retractions"] > 0 and c["verify_steps"] > 0
     engine.flush_cache()
     assert engine.kv.used_slots() == 0
+
+
+def test_tensor_parallel_3_equals_transformers_and_2_is_refused(smollm2, chats) -> None:
+    """9 heads / 3 KV heads: TP=2 is refused by name; TP=3 (three gloo processes, each with 3
+    heads, 1 KV head, a third of the MLP and of the vocab) gives transformers' greedy tokens
+    and raw log-probs within 1e-4 (its sums are split three ways: a different float32 order)."""
+    from rollout.distributed.tp_engine import TPEngine
+
+    path, _, hf = smollm2
+    ids, expected = chats
+    with pytest.raises(ValueError, match=r"num_attention_heads=9, num_key_value_heads=3 not divisible by 2.*\[1, 3\]"):
+        TPEngine(EngineConfig(model=path, tensor_parallel_size=2))
+    new = 12  # greedy is a prefix property: the first tokens of transformers' 40
+    with TPEngine(EngineConfig(model=path, page_size=16, tensor_parallel_size=3, num_threads=1)) as engine:
+        outs = engine.generate(input_ids=ids[:2], sampling_params=SamplingParams(temperature=0, max_new_tokens=new,
+                                                                                  logprobs_mode="raw"))
+    assert [o.token_ids for o in outs] == [e[:new] for e in expected[:2]]
+    full = torch.tensor([ids[1] + outs[1].token_ids])
+    with torch.no_grad():
+        logits = hf(full).logits[0, len(ids[1]) - 1 : -1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[1].token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(outs[1].logprobs), ref, atol=1e-4, rtol=0)

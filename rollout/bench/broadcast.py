@@ -12,6 +12,10 @@ the moment the LAST participating rank is done, so receivers count):
   weight group, raw flat        the same buffer on the private weight-sync group
   weight group, raw buckets     the same bytes in --bucket-mb chunks, two in flight
   BroadcastSender -> receive    the real protocol, engines only consume the stream
+  ... hold every bucket         the same, keeping every bucket alive (as update_weights does:
+                                it validates all before it writes any)
+  engine.update_weights, held   validate + apply of the held tensors alone (no transfer): with
+                                the row above, where the end-to-end row's time goes
   BroadcastSender -> engine     end to end: the engine validates and applies the update
 GB/s is bytes / seconds (for a broadcast, nccl-tests' algbw and busbw are the same).
 """
@@ -90,11 +94,22 @@ def run_bench(args: argparse.Namespace, ctx: DistContext, roles: Any) -> dict:
                 consume(receive(group, device=ctx.device))
         return run
 
+    held: list = []
+
+    def hold(stream: Any) -> None:
+        held[:] = list(stream)
+
+    def apply_held() -> None:
+        if rank != 0:
+            engine.update_weights(held, full=True)
+
     rows = [
         ("torch.distributed.broadcast, flat", torch_flat),
         ("weight group, raw flat", group_flat),
         (f"weight group, raw {args.bucket_mb} MB buckets", group_buckets),
         ("BroadcastSender -> receive (discard)", sender_to(lambda stream: [None for _ in stream])),
+        ("BroadcastSender -> receive, hold every bucket", sender_to(hold)),
+        ("engine.update_weights of held tensors", apply_held),
         ("BroadcastSender -> engine.update_weights", sender_to(lambda stream: engine.update_weights(stream, full=True))),
     ]
     results = []
@@ -103,6 +118,8 @@ def run_bench(args: argparse.Namespace, ctx: DistContext, roles: Any) -> dict:
             flat = None  # free the raw buffer before the protocol rows allocate buckets
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
+        if i == len(rows) - 1:
+            held.clear()  # the end-to-end row allocates its own buckets
         with phase(ctx, f"bench: {name}"):
             times = [_timed(ctx, group, fn if member else None) for _ in range(args.bench_repeats + 1)][1:]
         results.append((name, statistics.median(times), times))

@@ -20,10 +20,12 @@ from rollout.attention import make_backend
 from rollout.cache.kv_pool import KVPool, ReqSlotTable
 from rollout.cache.manager import KVManager
 from rollout.config import EngineConfig
+from rollout.distributed.tp import SINGLE, TensorParallel, tp_from_world
 from rollout.model.build import build_model, init_random_weights
 from rollout.model.config import ModelConfig
 from rollout.model.llama import LlamaModel
 from rollout.model.loader import iter_checkpoint, load_weights
+from rollout.model.parallel import check_tp_size
 from rollout.model.runner import ModelRunner
 from rollout.scheduler import Scheduler
 
@@ -49,6 +51,7 @@ class EngineParts:
     runner: ModelRunner
     lora: LoraManager | None  # adapters and their device slots (EngineConfig.enable_lora)
     draft: DraftRunner | None  # speculative="draft": the draft model, its KV pool and graphs
+    tp: TensorParallel  # this rank's place in the engine's TP group (SINGLE without TP)
 
 
 def check_device(device: str) -> torch.device:
@@ -72,10 +75,18 @@ def cuda_free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
+def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel | None = None) -> EngineParts:
+    """`tp`: the TP group to use; None builds one from the default group (every rank of
+    the world builds its engine at once, TP groups of consecutive ranks)."""
     cfg = ModelConfig.from_dir(config.model)
+    check_tp_size(cfg, config.tensor_parallel_size)  # before any group: a refusal costs nothing
+    if tp is None:
+        tp = tp_from_world(config.tensor_parallel_size, device) if config.tensor_parallel_size > 1 else SINGLE
+    if tp.size != config.tensor_parallel_size:
+        raise ValueError(f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size} but the given TP group has "
+                         f"{tp.size} ranks")
     context_len = cfg.max_position_embeddings
-    model = build_model(cfg, context_len, config.torch_dtype, device)
+    model = build_model(cfg, context_len, config.torch_dtype, device, tp)
     if config.load_format == "dummy":
         init_random_weights(model, config.seed)
     else:
@@ -94,9 +105,12 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
 
         draft = DraftRunner(config, cfg, device)
     extra_per_token = draft.kv_bytes_per_token() if draft is not None else 0
-    max_tokens = config.max_total_tokens or _default_kv_tokens(config, cfg, device, extra_per_token)
-    kv_pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_tokens, config.page_size,
-                     config.torch_dtype, device)
+    max_tokens = config.max_total_tokens or _default_kv_tokens(config, cfg, device, tp, extra_per_token)
+    # Every TP rank must hold the same tokens (the same scheduler runs on each): the
+    # smallest budget, when free memory differs between the GPUs.
+    max_tokens = tp.min_int(max_tokens)
+    kv_pool = KVPool(cfg.num_layers, cfg.num_kv_heads // tp.size, cfg.head_dim, max_tokens, config.page_size,
+                     config.torch_dtype, device)  # this rank's KV heads
     table_width = min(context_len, kv_pool.allocator.capacity_slots) + config.page_size
     req_table = ReqSlotTable(config.max_running_requests + 1, table_width)
     kv = KVManager(kv_pool, req_table, config.enable_radix_cache)
@@ -110,7 +124,7 @@ def build_parts(config: EngineConfig, device: torch.device) -> EngineParts:
         draft.make_pool(max_tokens)
         draft.attach()
     attach_backend(config, cfg, runner, kv_pool, min(context_len, kv.capacity))
-    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft)
+    return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft, tp)
 
 
 def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, kv_pool: KVPool, max_context: int) -> None:
@@ -118,8 +132,10 @@ def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, 
     start-up, and again on wake (graphs and plans bake the KV pool's addresses in)."""
     device = runner.device
     runner.graphs = None
+    tp = runner.model.tp  # this rank's heads
     attention = "deterministic" if config.deterministic else config.attention
-    runner.backend = make_backend(attention, kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.device)
+    runner.backend = make_backend(attention, kv_pool, cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size,
+                                  cfg.head_dim, config.device)
     if device.type == "cuda" and config.cuda_graph and runner.backend.graphable:
         max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
         if config.speculative is not None:  # a verify step replays a decode graph of requests x (1 + k) rows
@@ -140,7 +156,7 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaModel, device
     from lora.pool import LoraPool
 
     pool = LoraPool(cfg, config.max_loras_per_batch, config.max_lora_rank, config.lora_target_modules,
-                    config.torch_dtype, device)
+                    config.torch_dtype, device, model.tp)
     for layer, name, linear in model.projections():
         linear.lora = pool.hook(layer, name)
     log.info("LoRA: %d slots of rank <= %d on %s (%.2f GiB)", pool.num_slots, pool.max_rank,
@@ -148,10 +164,11 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaModel, device
     return LoraManager(pool, cfg, config.torch_dtype, config.max_lora_rank, config.max_loaded_loras)
 
 
-def _default_kv_tokens(config: EngineConfig, cfg: ModelConfig, device: torch.device, extra_per_token: int = 0) -> int:
+def _default_kv_tokens(config: EngineConfig, cfg: ModelConfig, device: torch.device, tp: TensorParallel,
+                       extra_per_token: int = 0) -> int:
     if device.type != "cuda":
         return _CPU_DEFAULT_TOKENS
-    per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
+    per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads // tp.size, cfg.head_dim, config.torch_dtype)
     per_token += extra_per_token  # a draft model's KV for the same token
     return max(1024, int(cuda_free_bytes(device) * config.gpu_memory_fraction) // per_token)
 

@@ -2,7 +2,8 @@
 process groups with timeouts (group), a per-rank phase log that names the missing peer
 when a collective fails (phases), byte/number collectives without pickle (collectives),
 prompt loading and the data-parallel rollout (prompts, dp_rollout), the launchers' shared
-options (launch_args), and free_port (ports).
+options (launch_args), free_port (ports), and tensor parallelism: an engine's TP group and its
+collectives (tp), one process driving spawned TP workers (tp_engine).
 
 Nothing is imported here: `import rollout.distributed.ports` stays cheap.
 """

@@ -3,7 +3,9 @@ of one prompt list, and rank 0 gets every output back in the original order (pro
 then sample), as if one engine had run them all.
 
 Seeds are per request (SamplingParams.seed, sample index), so a prompt's samples do not
-depend on which rank runs it or what else is batched there. Knows the split, the engine's
+depend on which rank runs it or what else is batched there. With tensor parallelism an
+engine is a TP group of consecutive engine ranks (DP x TP): its ranks all generate the
+same share (SPMD) and its TP rank 0 alone hands the outputs in. Knows the split, the engine's
 generate() and the wire format; not where prompts come from or what rank 0 does next.
 """
 
@@ -26,13 +28,13 @@ from rollout.wire import pack_outputs, unpack_outputs
 
 @dataclass
 class DPRollout:
-    """What rank 0 gets back: every output in the original order, and per engine rank (in
-    engine-rank order) its timing and share."""
+    """What rank 0 gets back: every output in the original order, and per engine (in
+    engine-rank order; with TP an engine is a TP group) its timing and share."""
 
     outputs: list[RolloutOutput]
     wall_seconds: float  # from this rank's start to the last engine's results on rank 0
-    rank_seconds: list[float]  # each engine rank's own generate() time
-    rank_tokens: list[int]  # generated tokens per engine rank
+    rank_seconds: list[float]  # each engine's own generate() time (its TP rank 0's)
+    rank_tokens: list[int]  # generated tokens per engine
     rank_prompts: list[int]
 
     @property
@@ -80,7 +82,10 @@ def run_dp_rollout(
     per_prompt = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
         raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-    share = split_indices(len(prompts), ranks.index(ctx.rank), len(ranks), split) if engine is not None else []
+    tp = engine.tp if engine is not None else None
+    share = []
+    if engine is not None:  # one share per engine: TP groups are consecutive engine ranks
+        share = split_indices(len(prompts), ranks.index(ctx.rank) // tp.size, len(ranks) // tp.size, split)
     if common_start:
         with phase(ctx, f"{label}: common start"):
             dist.barrier()
@@ -98,9 +103,13 @@ def run_dp_rollout(
             if expect_version is not None:
                 _check_version(local, expect_version, label)
     seconds = time.perf_counter() - start
+    leader = tp is None or tp.rank == 0  # a TP group's other ranks hold the same outputs
+    if not leader:
+        local, share = [], []
     with phase(ctx, f"{label}: gather on rank 0"):
         chunks = gather_bytes(pack_outputs(local), ctx, dst=0)
-        stats = gather_floats([seconds, float(sum(len(o.token_ids) for o in local)), float(len(share))], ctx)
+        stats = gather_floats([seconds, float(sum(len(o.token_ids) for o in local)), float(len(share)),
+                               float(leader)], ctx)
     if chunks is None:
         return None
     wall = time.perf_counter() - start
@@ -108,7 +117,7 @@ def run_dp_rollout(
     expected = sum(p.n for p in per_prompt)
     if len(outputs) != expected:
         raise RuntimeError(f"{label}: gathered {len(outputs)} outputs, expected {expected}")
-    mine = [stats[r] for r in ranks]
+    mine = [stats[r] for r in ranks if stats[r][3]]  # one entry per engine (its TP rank 0)
     return DPRollout(outputs, wall, [s[0] for s in mine], [int(s[1]) for s in mine], [int(s[2]) for s in mine])
 
 

@@ -79,12 +79,14 @@ def resolve_backend(args: argparse.Namespace) -> str:
     return args.backend or ("nccl" if args.device == "cuda" else "gloo")
 
 
-def build_engine(args: argparse.Namespace, device: torch.device, seed: int = 0) -> Engine:
-    """One engine on `device` from the common options (--model, --dtype, --page-size, ...)."""
+def build_engine(args: argparse.Namespace, device: torch.device, seed: int = 0, tensor_parallel_size: int = 1) -> Engine:
+    """One engine on `device` from the common options (--model, --dtype, --page-size, ...).
+    With tensor_parallel_size > 1 every rank of the world calls this at once (TP groups of
+    consecutive ranks, rollout/distributed/tp.py)."""
     model_dir, load_format = resolve_model(args.model, args.load_format)
     return Engine(EngineConfig(model=model_dir, dtype=args.dtype, device=str(device), page_size=args.page_size,
                                max_total_tokens=args.max_total_tokens, load_format=load_format, seed=seed,
-                               num_threads=args.num_threads))
+                               num_threads=args.num_threads, tensor_parallel_size=tensor_parallel_size))
 
 
 def maybe_die(ctx: DistContext, args: argparse.Namespace, step: int) -> None:

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import kernels
+from rollout.distributed.tp import SINGLE, TensorParallel
 from rollout.model.config import ModelConfig
+from rollout.model.parallel import make_embedding
 
 if TYPE_CHECKING:
     from rollout.attention.base import AttentionBackend
@@ -108,7 +110,7 @@ class Linear(nn.Module):
         # Multi-LoRA: set by the adapter pool (lora/pool.py LoraHook); adds each request's
         # adapter delta to this projection's output in place. None: no adapters here.
         self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-        # Deterministic mode swaps in a batch-invariant matmul (LlamaModel.use_matmul).
+        # Deterministic mode swaps in a batch-invariant matmul (LlamaModel.make_batch_invariant).
         self.matmul: Callable[..., torch.Tensor] = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,13 +121,16 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """This rank's heads (all of them without TP): qkv column-parallel, o_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -142,31 +147,34 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = backend.forward(q, k, v, self.layer_id)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))  # partial sums over heads
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's MLP columns: gate_up column-parallel, down_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = cfg.intermediate_size // tp.size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I/tp]
         if kernels.use_fused(gate_up):  # GPU: one kernel instead of silu, then mul
-            return self.down_proj(kernels.fused.silu_and_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(kernels.fused.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,14 +190,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """`config` is the whole model's shape; with `tp` (rollout/model/parallel.py) this
+    process holds one rank's shard of it."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp
+        self.embed_tokens = make_embedding(cfg, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab = cfg.vocab_size // tp.size
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
         self.rotary = Rotary(cfg, max_positions)
         self.matmul: Callable[..., torch.Tensor] = F.linear  # the lm_head's
 
@@ -223,4 +235,5 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.matmul(hidden, weight).float()  # [R, vocab]
+        # [R, vocab / tp] per rank -> [R, vocab], gathered in the model's dtype (half the bytes of fp32)
+        return self.tp.gather_last(self.matmul(hidden, weight)).float()

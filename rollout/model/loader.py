@@ -5,6 +5,11 @@ A stream of (HF name, tensor) pairs becomes a list of WeightWrites (which parame
 rows of it). Everything is validated before anything is written, so a bad update (unknown
 name, wrong shape, non-float dtype, NaN/Inf, a missing tensor in a full load) raises a
 ValueError naming the offending parameter and leaves the model untouched.
+
+A tensor-parallel model (model.tp) gets the same HF-named full tensors: shapes are checked
+against the whole model's, then each write keeps this rank's shard (a view, no copy), and
+finiteness is checked on that shard only. A rank whose shard is bad fails here; the
+engine's TP agreement then makes every rank refuse (rollout/distributed/tp.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 
 from rollout.model.config import ModelConfig
+from rollout.model.parallel import full_shape, local_rows, shard_dim, take_shard
 from rollout.validate import first_non_finite
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -32,7 +38,7 @@ class WeightWrite:
     hf_name: str
     param: torch.Tensor  # the engine parameter (written in place)
     rows: slice | None  # rows of the fused parameter this tensor fills; None = all of it
-    tensor: torch.Tensor  # the incoming value (any device / float dtype)
+    tensor: torch.Tensor  # the incoming value (any device / float dtype); with TP, this rank's shard
 
 
 def _target(cfg: ModelConfig, hf_name: str) -> tuple[str, slice | None] | None:
@@ -90,6 +96,7 @@ def iter_hf_views(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool) -> list[WeightWrite]:
     """Map and validate a whole update. Raises ValueError naming the first bad tensor."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
+    tp = model.tp  # type: ignore[attr-defined]
     params = dict(model.named_parameters())
     writes: list[WeightWrite] = []
     seen: set[str] = set()
@@ -105,12 +112,17 @@ def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tenso
             raise ValueError(f"parameter {hf_name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.is_floating_point():
             raise ValueError(f"parameter {hf_name!r}: dtype {tensor.dtype} is not a floating-point type")
-        want = (rows.stop - rows.start, *param.shape[1:]) if rows is not None else tuple(param.shape)
+        dim = shard_dim(pname) if tp.size > 1 else None
+        # rows are in the whole model's fused layout; a dim-0 shard leaves the other dims whole
+        want = (rows.stop - rows.start, *param.shape[1:]) if rows is not None else full_shape(param.shape, dim, tp)
         if tuple(tensor.shape) != want:
             raise ValueError(f"parameter {hf_name!r}: shape {tuple(tensor.shape)} does not match the model's {want}")
         if hf_name in seen and hf_name != "lm_head.weight":
             raise ValueError(f"parameter {hf_name!r} given twice in one update")
         seen.add(hf_name)
+        if dim is not None:
+            tensor = take_shard(tensor, dim, tp)
+            rows = local_rows(rows, tp) if rows is not None else None
         writes.append(WeightWrite(hf_name, param.data, rows, tensor))
     if full:
         missing = [n for n in expected_hf_names(cfg) if n not in seen]

@@ -16,72 +16,7 @@ from rollout import Engine, EngineConfig, SamplingParams
 from weightsync import iter_hf_weights
 
 peft = pytest.importorskip("peft")
-
-NEW = 8
-GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True, logprobs_mode="raw")
-ADAPTERS = {
-    "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "b": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
-    "c": dict(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "down_proj", "up_proj"], use_rslora=True),
-}
-
-
-class PeftRef:
-    """One PeftModel holding every adapter (unmerged), the reference for tokens and log-probs."""
-
-    def __init__(self, tiny: TinyModel, root: Path) -> None:
-        base = copy.deepcopy(tiny.hf)
-        self.model = None
-        for i, (name, cfg) in enumerate(ADAPTERS.items()):
-            config = peft.LoraConfig(**cfg)
-            if self.model is None:
-                self.model = peft.get_peft_model(base, config, adapter_name=name)
-            else:
-                self.model.add_adapter(name, config)
-            _randomize_adapter(self.model, name, seed=100 + i)  # peft's lora_B starts at zero: a no-op
-        self.model.eval()
-        self.dirs = {name: _save(self.model, name, root / name) for name in ADAPTERS}
-
-    @torch.no_grad()
-    def greedy(self, adapter: str | None, prompt: list[int], n: int = NEW) -> list[int]:
-        ids = torch.tensor([prompt])
-        kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
-        if adapter is None:
-            with self.model.disable_adapter():
-                out = self.model.generate(input_ids=ids, **kw)
-        else:
-            self.model.set_adapter(adapter)
-            out = self.model.generate(input_ids=ids, **kw)
-        return out[0, len(prompt):].tolist()
-
-    @torch.no_grad()
-    def logprobs(self, adapter: str | None, prompt: list[int], completion: list[int]) -> torch.Tensor:
-        ids = torch.tensor([prompt + completion])
-        if adapter is None:
-            with self.model.disable_adapter():
-                logits = self.model(input_ids=ids).logits
-        else:
-            self.model.set_adapter(adapter)
-            logits = self.model(input_ids=ids).logits
-        lp = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), -1)
-        return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def _save(model, adapter: str, path: Path) -> str:
-    """One adapter as a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
-    model.save_pretrained(str(path), selected_adapters=[adapter])
-    found = [p.parent for p in path.rglob("adapter_config.json")]  # peft nests non-default adapters
-    assert len(found) == 1, found
-    return str(found[0])
-
-
-def _randomize_adapter(model, adapter: str, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if f".{adapter}." in name and "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+from peft_ref import ADAPTERS, GREEDY, NEW, PeftRef, randomize_adapter, save_adapter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +96,7 @@ def test_lora_only_update_changes_that_adapter_only(llama: TinyModel, ref: PeftR
     # train-like change to adapter a only, in a separate peft model (the "trainer")
     trainer = copy.deepcopy(ref.model)
     trainer.set_adapter("a")
-    _randomize_adapter(trainer, "a", seed=777)
+    randomize_adapter(trainer, "a", seed=777)
     update = list(iter_hf_weights(trainer, adapter_only=True))
     assert update and all("lora_" in n for n, _ in update)
     assert engine.update_lora_adapter("a", update) == 1
@@ -187,7 +122,7 @@ def test_update_of_a_running_adapter_retracts_and_resumes_under_the_new_version(
         engine.step()
     trainer = copy.deepcopy(ref.model)
     trainer.set_adapter("b")
-    _randomize_adapter(trainer, "b", seed=778)
+    randomize_adapter(trainer, "b", seed=778)
     engine.update_lora_adapter("b", iter_hf_weights(trainer, adapter_only=True))
     outs = {}
     while engine.has_unfinished():
@@ -209,8 +144,8 @@ def test_update_from_disk_by_name(llama: TinyModel, ref: PeftRef, tmp_path) -> N
     engine = _engine(llama, ref)
     trainer = copy.deepcopy(ref.model)
     trainer.set_adapter("c")
-    _randomize_adapter(trainer, "c", seed=779)
-    assert engine.update_weights_from_disk(_save(trainer, "c", tmp_path), lora_name="c") == 1
+    randomize_adapter(trainer, "c", seed=779)
+    assert engine.update_weights_from_disk(save_adapter(trainer, "c", tmp_path), lora_name="c") == 1
     prompt = make_prompts(llama.vocab_size, [7], seed=45)[0]
     out = engine.generate(input_ids=[prompt], sampling_params=GREEDY, lora_name="c")[0]
     trainer.eval()

@@ -37,6 +37,7 @@ def torchrun(script: str, *args: str, cwd: Path, nproc: int = 2, timeout: float 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "scripts" / script), *args]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # the checkout under test, not whichever one the venv has installed
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -94,6 +95,22 @@ def test_dp_rollout_equals_one_engine(tiny: TinyModel, prompts_file: Path, tmp_p
     assert sum(summary["rank_prompts"]) == len(prompts) and min(summary["rank_prompts"]) >= 3
     if params.n > 1:  # the n samples of a prompt differ (the seed is per sample)
         assert any(got[i]["token_ids"] != got[i + 1]["token_ids"] for i in range(0, len(got), 2))
+
+
+def test_dp_x_tp_rollout_equals_one_engine(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
+    """4 ranks, --tp 2: two engines of two TP ranks each (ranks 0-1 and 2-3), the prompts split
+    between the engines, every output equal to one unsharded engine's."""
+    out_file = tmp_path / "dp_tp.json"
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=3, ignore_eos=True)
+    proc, _ = torchrun("launch_dp_rollout.py", "--model", tiny.path, "--prompts", str(prompts_file), "--tp", "2",
+                       "--max-new-tokens", "5", "--temperature", "1", "--samples", "2", "--seed", "3", "--ignore-eos",
+                       "--output", str(out_file), "--timeout-s", "60", cwd=tmp_path, nproc=4)
+    _check_ok(proc)
+    doc = json.loads(out_file.read_text())
+    want = Engine(EngineConfig(model=tiny.path, page_size=16)).generate(
+        input_ids=json.loads(prompts_file.read_text()), sampling_params=params)
+    assert [o["token_ids"] for o in doc["outputs"]] == [o.token_ids for o in want]
+    assert doc["summary"]["tensor_parallel_size"] == 2 and doc["summary"]["rank_prompts"] == [4, 3]
 
 
 # ---- disaggregated loop ------------------------------------------------------------------
@@ -172,5 +189,7 @@ def test_bench_broadcast_mode_runs_on_cpu(tiny: TinyModel, tmp_path: Path) -> No
     _check_ok(proc)
     rows = json.loads(out_file.read_text())["bench_broadcast"]["rows"]
     assert [r["name"].split(",")[0] for r in rows[:3]] == ["torch.distributed.broadcast", "weight group", "weight group"]
-    assert len(rows) == 5 and all(r["gb_s"] > 0 for r in rows)
+    assert len(rows) == 7 and all(r["gb_s"] > 0 for r in rows)
+    assert [r["name"] for r in rows[4:6]] == ["BroadcastSender -> receive, hold every bucket",
+                                              "engine.update_weights of held tensors"]
     assert "of torch bcast" in proc.stdout
