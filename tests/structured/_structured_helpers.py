@@ -1,0 +1,75 @@
+"""Shared by the structured-output tests: the constraints, prompts, and checks against
+xgrammar's own matcher and a small JSON-schema checker."""
+
+from __future__ import annotations
+
+import json
+import re
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                      "sunny": {"type": "boolean"},
+                                      "scores": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 9}, "maxItems": 3}},
+     "required": ["city", "sunny", "scores"]},
+]
+REGEX = r"(yes|no), because [a-z]{1,8}\."
+
+
+def chat(tok, text: str) -> list[int]:
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=False))
+
+
+def reference_matcher(compiler, params):
+    """A fresh xgrammar matcher for the request's constraint (the layout the engine promises:
+    JSON compact, no free whitespace)."""
+    import xgrammar as xgr
+
+    if params.json_schema is not None:
+        compiled = compiler.compile_json_schema(params.json_schema, any_whitespace=False)
+    elif params.regex is not None:
+        compiled = compiler.compile_regex(params.regex)
+    else:
+        compiled = compiler.compile_grammar(params.grammar)
+    return xgr.GrammarMatcher(compiled)
+
+
+def assert_follows_grammar(compiler, params, tokens: list[int]) -> None:
+    """Every token is legal for xgrammar's own matcher, and the last one ends the grammar."""
+    matcher = reference_matcher(compiler, params)
+    for i, t in enumerate(tokens):
+        assert matcher.accept_token(t), f"token {i} ({t}) is not legal under the grammar"
+    assert matcher.is_terminated()
+
+
+def check_schema(schema: dict, value) -> None:
+    """The parts of JSON schema SCHEMAS use (no jsonschema package here)."""
+    kind = schema.get("type")
+    if kind == "object":
+        assert isinstance(value, dict) and set(schema["required"]) <= set(value) <= set(schema["properties"])
+        for key, sub in schema["properties"].items():
+            if key in value:
+                check_schema(sub, value[key])
+    elif kind == "array":
+        assert isinstance(value, list) and len(value) <= schema.get("maxItems", 1 << 30)
+        for item in value:
+            check_schema(schema["items"], item)
+    elif kind == "string":
+        assert isinstance(value, str) and len(value) <= schema.get("maxLength", 1 << 30)
+        assert "enum" not in schema or value in schema["enum"]
+    elif kind == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool)
+        assert schema.get("minimum", value) <= value <= schema.get("maximum", value)
+    elif kind == "boolean":
+        assert isinstance(value, bool)
+
+
+def check_text(params, text: str) -> None:
+    if params.json_schema is not None:
+        check_schema(json.loads(params.json_schema), json.loads(text))
+    else:
+        assert re.fullmatch(params.regex, text), text
