@@ -1,0 +1,63 @@
+"""The mask op against xgrammar's own (apply_token_bitmask_inplace), and draft rows: each row's
+mask is the state after the drafts before it, the matcher rolled back after; drafts are
+trimmed at the first one the grammar refuses."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from rollout.structured.bitmask import MaskBuilder, TokenMask, apply_mask_
+from rollout.structured.matcher import GrammarState
+from rollout.structured.spec import GrammarSpec
+
+xgr = pytest.importorskip("xgrammar")
+
+
+def test_apply_mask_equals_xgrammar_on_the_constrained_rows_only() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word is partly padding
+    logits = torch.randn(6, vocab, generator=gen)
+    bits = torch.randint(-(2**31), 2**31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    rows = [1, 4, 5]
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bits, indices=rows, backend="torch_native")
+    got = logits.clone()
+    apply_mask_(got, TokenMask(torch.tensor(rows), bits[rows]))
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[0, 2, 3]], logits[[0, 2, 3]])
+
+
+def _state(xgr_compiler, regex: str) -> GrammarState:
+    done: Future = Future()
+    done.set_result(xgr_compiler.compile_regex(regex))
+    return GrammarState(GrammarSpec("regex", regex), done, [2])
+
+
+def test_draft_rows_and_trimming(smollm2, xgr_compiler) -> None:
+    tok = smollm2[1]
+    regex = r"(abc|abd)[0-9]+;"
+    state = _state(xgr_compiler, regex)
+    text_ids = tok.encode("abd12;", add_special_tokens=False)
+    assert state.legal_prefix(text_ids + text_ids) == len(text_ids)  # the second copy is refused at once
+    assert state.legal_prefix([tok.encode("x", add_special_tokens=False)[0]]) == 0
+
+    builder = MaskBuilder(len(tok))
+    plain = _state(xgr_compiler, regex)
+    mask = builder.build([(0, plain, []), (1, state, text_ids)], torch.device("cpu"))
+    assert mask.rows.tolist() == list(range(2 + len(text_ids)))
+    reference = xgr.GrammarMatcher(xgr_compiler.compile_regex(regex), override_stop_tokens=[2])
+    expected = xgr.allocate_token_bitmask(2 + len(text_ids), len(tok))
+    reference.fill_next_token_bitmask(expected, 0)
+    reference.fill_next_token_bitmask(expected, 1)
+    for j, t in enumerate(text_ids):
+        assert reference.accept_token(t)
+        reference.fill_next_token_bitmask(expected, 2 + j)
+    assert torch.equal(mask.bits, expected)
+    # rolled back: the state still accepts the drafts from the start, then ends at EOS
+    for t in text_ids:
+        assert not state.accept(t)
+    assert state.accept(2) and state.terminated
+    assert builder.build([(0, state, [])], torch.device("cpu")) is None  # a finished grammar has no mask
