@@ -177,7 +177,7 @@ class StepLoop:
                 rows.append((at, req.grammar, drafts))
             at += 1 + len(drafts)
         assert self.structured is not None, "constrained requests come through the engine's intake"
-        return self.structured.masks.build(rows, device)
+        return self.structured.masks.build(rows, at, device)
 
     def _finish_failed_grammars(self, version: int) -> list[RolloutOutput]:
         """Waiting requests whose grammar failed to compile end as aborted (the error is

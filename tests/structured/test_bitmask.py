@@ -9,23 +9,34 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from rollout.structured.bitmask import MaskBuilder, TokenMask, apply_mask_
+from rollout.structured.bitmask import MaskBuilder, TokenMask, apply_mask_, apply_mask_torch_
 from rollout.structured.matcher import GrammarState
 from rollout.structured.spec import GrammarSpec
 
 xgr = pytest.importorskip("xgrammar")
 
 
-def test_apply_mask_equals_xgrammar_on_the_constrained_rows_only() -> None:
+def _naive(logits: torch.Tensor, bits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Bit j of word w allows token 32 w + j (xgrammar's layout), one token at a time."""
+    out = logits.clone()
+    for r in rows:
+        for t in range(logits.shape[-1]):
+            if not (int(bits[r, t // 32]) >> (t % 32)) & 1:
+                out[r, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_apply_mask_on_the_constrained_rows_only(path: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    vocab = 1000  # not a multiple of 32: the last word is partly padding
+    vocab = 200  # not a multiple of 32: the last word is partly padding
     logits = torch.randn(6, vocab, generator=gen)
     bits = torch.randint(-(2**31), 2**31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
     rows = [1, 4, 5]
-    expected = logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, bits, indices=rows, backend="torch_native")
+    expected = _naive(logits, bits, rows)
     got = logits.clone()
-    apply_mask_(got, TokenMask(torch.tensor(rows), bits[rows]))
+    apply = apply_mask_ if path == "host" else apply_mask_torch_  # the torch ops the GPU runs, on CPU tensors
+    apply(got, TokenMask(rows, torch.tensor(rows), bits))
     assert torch.equal(got, expected)
     assert torch.equal(got[[0, 2, 3]], logits[[0, 2, 3]])
 
@@ -46,18 +57,18 @@ def test_draft_rows_and_trimming(smollm2, xgr_compiler) -> None:
 
     builder = MaskBuilder(len(tok))
     plain = _state(xgr_compiler, regex)
-    mask = builder.build([(0, plain, []), (1, state, text_ids)], torch.device("cpu"))
-    assert mask.rows.tolist() == list(range(2 + len(text_ids)))
+    mask = builder.build([(0, plain, []), (2, state, text_ids)], 3 + len(text_ids), torch.device("cpu"))
+    assert mask.rows == [0, *range(2, 3 + len(text_ids))]
     reference = xgr.GrammarMatcher(xgr_compiler.compile_regex(regex), override_stop_tokens=[2])
-    expected = xgr.allocate_token_bitmask(2 + len(text_ids), len(tok))
+    expected = xgr.allocate_token_bitmask(3 + len(text_ids), len(tok))  # row 1: unconstrained, all allowed
     reference.fill_next_token_bitmask(expected, 0)
-    reference.fill_next_token_bitmask(expected, 1)
+    reference.fill_next_token_bitmask(expected, 2)
     for j, t in enumerate(text_ids):
         assert reference.accept_token(t)
-        reference.fill_next_token_bitmask(expected, 2 + j)
+        reference.fill_next_token_bitmask(expected, 3 + j)
     assert torch.equal(mask.bits, expected)
     # rolled back: the state still accepts the drafts from the start, then ends at EOS
     for t in text_ids:
         assert not state.accept(t)
     assert state.accept(2) and state.terminated
-    assert builder.build([(0, state, [])], torch.device("cpu")) is None  # a finished grammar has no mask
+    assert builder.build([(0, state, [])], 1, torch.device("cpu")) is None  # a finished grammar has no mask
