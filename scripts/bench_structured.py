@@ -37,7 +37,8 @@ def _engine(args) -> Engine:
         if (Path(args.tokenizer) / name).is_file():
             shutil.copy(Path(args.tokenizer) / name, model_dir)
     return Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", load_format="dummy",
-                               max_running_requests=args.batch, gpu_memory_fraction=0.85))
+                               max_running_requests=args.batch, page_size=16, max_prefill_tokens=8192,
+                               gpu_memory_fraction=0.85))
 
 
 def main() -> None:

@@ -61,3 +61,9 @@ def test_bench_client_smoke_on_cpu() -> None:
     rows = [line.split("|") for line in text.splitlines() if line.strip()[:1].isdigit() and "|" in line]
     assert [int(r[0]) for r in rows] == [1, 4], text[-1500:]
     assert all(r[-1].strip() == "yes" for r in rows), "the client's tokens differ from in-process"
+
+
+def test_bench_structured_smoke_on_cpu() -> None:
+    text = _run("scripts.bench_structured", "--batch", "2", "--steps", "2", "--prompt-len", "8", "--repeats", "1")
+    rows = [line for line in text.splitlines() if line.startswith(("unconstrained", "half JSON")) and "|" in line]
+    assert len(rows) == 2 and "compile JSON schema" in text, text[-1500:]
