@@ -1,10 +1,16 @@
-"""Shared by the structured-output tests: the constraints, prompts, and checks against
-xgrammar's own matcher and a small JSON-schema checker."""
+"""Shared by the structured-output tests: SmolLM2 (the real default model) and xgrammar's own
+view of its vocabulary (the references the tests check the engine against, as fixtures to
+import), the constraints, prompts, and checks against xgrammar's matcher and a small
+JSON-schema checker. (Not a conftest.py: `from conftest import ...` elsewhere must find the
+root one.)"""
 
 from __future__ import annotations
 
 import json
 import re
+
+import pytest
+import torch
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -17,6 +23,28 @@ SCHEMAS = [
      "required": ["city", "sunny", "scores"]},
 ]
 REGEX = r"(yes|no), because [a-z]{1,8}\."
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.model.fetch import fetch_default_model
+
+    path = fetch_default_model()
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return str(path), tok, hf
+
+
+@pytest.fixture(scope="session")
+def xgr_compiler(smollm2):
+    """xgrammar's compiler over SmolLM2's vocabulary, built here (not the engine's)."""
+    import xgrammar as xgr
+
+    _, tok, hf = smollm2
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size, stop_token_ids=[tok.eos_token_id])
+    return xgr.GrammarCompiler(info)
 
 
 def chat(tok, text: str) -> list[int]:

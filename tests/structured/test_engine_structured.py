@@ -9,7 +9,8 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 
-from _structured_helpers import REGEX, SCHEMAS, assert_follows_grammar, chat, check_text  # noqa: E402
+from _structured_helpers import (  # noqa: E402, F401 (fixtures)
+    REGEX, SCHEMAS, assert_follows_grammar, chat, check_text, smollm2, xgr_compiler)
 
 pytest.importorskip("xgrammar")
 

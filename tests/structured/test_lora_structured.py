@@ -11,7 +11,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 
-from _structured_helpers import REGEX, SCHEMAS, chat  # noqa: E402
+from _structured_helpers import REGEX, SCHEMAS, chat, smollm2, xgr_compiler  # noqa: E402, F401 (fixtures)
 
 peft = pytest.importorskip("peft")
 xgr = pytest.importorskip("xgrammar")
