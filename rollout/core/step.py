@@ -1,9 +1,11 @@
-"""The step loop: schedule -> launch (forward + sample, results left on the device) ->
-read back (append tokens, finish requests), with overlap scheduling: step t+1 is launched
-before step t's tokens are read back, so host work hides behind device work.
+"""The step loop: schedule -> forward -> sample (results left on the device) -> read back
+(append tokens, finish requests), with overlap scheduling: step t+1 is launched before step
+t's tokens are read back, so host work hides behind device work. A step with constrained
+rows (structured output) reads step t back between its forward and its sampling: their
+masks need the token in flight.
 
-`launch` and `read_back` are public so that benchmarks and diagnostics can time them
-(scripts/bench_host.py, diag_host.py) without reaching into private methods.
+`forward`, `sample` and `read_back` are public so that benchmarks and diagnostics can time
+them (scripts/bench_host.py, diag_host.py) without reaching into private methods.
 """
 
 from __future__ import annotations
@@ -112,10 +114,6 @@ class StepLoop:
             return []
         launched, self.inflight = self.inflight, None
         return self.read_back(launched)
-
-    def launch(self, batch: ScheduledBatch, version: int) -> Launched:
-        """Forward and sample one batch; the results stay on the device until read back."""
-        return self.sample(self.forward(batch, version))
 
     def forward(self, batch: ScheduledBatch, version: int) -> Forwarded:
         """Run the model on one batch: its logits stay on the device, not yet sampled."""

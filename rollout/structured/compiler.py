@@ -51,10 +51,10 @@ class GrammarCompiler:
 
     def check(self, spec: GrammarSpec) -> None:
         """Refuse a spec xgrammar cannot parse (ValueError naming the field); cheap, and
-        skipped for specs already compiled."""
+        skipped for a spec already in the cache (a failed compile leaves it)."""
         with self._lock:
-            cached = self._cache.get(spec)
-        if cached is None or (cached.done() and cached.exception() is not None):
+            cached = spec in self._cache
+        if not cached:
             parse(spec)
 
     def submit(self, spec: GrammarSpec) -> Future:

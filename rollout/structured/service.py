@@ -51,7 +51,3 @@ class StructuredOutput:
         self.compiler.check(spec)
         future = self.compiler.submit(spec)
         return [GrammarState(spec, future, self.stop_token_ids) for _ in range(n)]
-
-    def close(self) -> None:
-        if self._compiler is not None:
-            self._compiler.close()

@@ -1,6 +1,5 @@
-"""Shared by the structured-output tests: SmolLM2 (the real default model) and xgrammar's own
-view of its vocabulary (the references the tests check the engine against, as fixtures to
-import), the constraints, prompts, and checks against xgrammar's matcher and a small
+"""Shared by the structured-output tests: xgrammar's own view of SmolLM2's vocabulary (a
+fixture to import; `smollm2` is the root conftest's), the constraints, prompts, and checks against xgrammar's matcher and a small
 JSON-schema checker. (Not a conftest.py: `from conftest import ...` elsewhere must find the
 root one.)"""
 
@@ -23,18 +22,6 @@ SCHEMAS = [
      "required": ["city", "sunny", "scores"]},
 ]
 REGEX = r"(yes|no), because [a-z]{1,8}\."
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rollout.model.fetch import fetch_default_model
-
-    path = fetch_default_model()
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return str(path), tok, hf
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +59,25 @@ def assert_follows_grammar(compiler, params, tokens: list[int]) -> None:
     for i, t in enumerate(tokens):
         assert matcher.accept_token(t), f"token {i} ({t}) is not legal under the grammar"
     assert matcher.is_terminated()
+
+
+def reference_logits(model, compiler, params, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own logits at each output position (teacher-forced on `tokens`, float32),
+    and the same with xgrammar's mask of the state before each token applied by xgrammar's
+    kernel; every token must be legal and the last must end the grammar."""
+    import xgrammar as xgr
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    matcher = reference_matcher(compiler, params)
+    bitmask = xgr.allocate_token_bitmask(1, logits.shape[-1])
+    masked = logits.clone()
+    for i, token in enumerate(tokens):
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(masked[i : i + 1], bitmask)
+        assert matcher.accept_token(token), f"token {i} ({token}) is not legal under the grammar"
+    assert matcher.is_terminated()
+    return logits, masked
 
 
 def check_schema(schema: dict, value) -> None:

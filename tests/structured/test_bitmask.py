@@ -13,7 +13,7 @@ from rollout.structured.bitmask import MaskBuilder, TokenMask, apply_mask_, appl
 from rollout.structured.matcher import GrammarState
 from rollout.structured.spec import GrammarSpec
 
-from _structured_helpers import smollm2, xgr_compiler  # noqa: E402, F401 (fixtures)
+from _structured_helpers import xgr_compiler  # noqa: E402, F401 (fixtures)
 
 xgr = pytest.importorskip("xgrammar")
 

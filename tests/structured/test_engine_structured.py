@@ -10,7 +10,7 @@ import torch
 from rollout import Engine, EngineConfig, SamplingParams
 
 from _structured_helpers import (  # noqa: E402, F401 (fixtures)
-    REGEX, SCHEMAS, assert_follows_grammar, chat, check_text, smollm2, xgr_compiler)
+    REGEX, SCHEMAS, assert_follows_grammar, chat, check_text, reference_logits, xgr_compiler)
 
 pytest.importorskip("xgrammar")
 
@@ -57,8 +57,6 @@ def test_mixed_batch_constrained_rows_parse_unconstrained_rows_unchanged(smollm2
 def test_logprobs_raw_and_processed_against_transformers_with_the_same_mask(smollm2, xgr_compiler) -> None:
     """processed: log-softmax of the masked, temperature-scaled logits; raw: of the model's own;
     greedy: each token is the argmax of transformers' masked logits (one teacher-forced pass)."""
-    import xgrammar as xgr
-
     path, tok, hf = smollm2
     engine = Engine(EngineConfig(model=path, page_size=16))
     prompt = chat(tok, QUESTIONS[0])
@@ -70,16 +68,7 @@ def test_logprobs_raw_and_processed_against_transformers_with_the_same_mask(smol
                                                                     for p in cases])
     for params, out, out_raw in zip(cases, processed, raw):
         assert out.token_ids == out_raw.token_ids and out.finish_reason == "stop"
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()
-        matcher = xgr.GrammarMatcher(xgr_compiler.compile_json_schema(params.json_schema, any_whitespace=False)
-                                     if params.json_schema else xgr_compiler.compile_regex(params.regex))
-        bitmask = xgr.allocate_token_bitmask(1, logits.shape[-1])
-        masked = logits.clone()
-        for i, token in enumerate(out.token_ids):
-            matcher.fill_next_token_bitmask(bitmask)
-            xgr.apply_token_bitmask_inplace(masked[i : i + 1], bitmask)
-            assert matcher.accept_token(token)
+        logits, masked = reference_logits(hf, xgr_compiler, params, prompt, out.token_ids)
         tokens = torch.tensor(out.token_ids)[:, None]
         ref_raw = torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0]
         torch.testing.assert_close(torch.tensor(out_raw.logprobs), ref_raw, atol=2e-4, rtol=0)
@@ -128,14 +117,35 @@ def test_retraction_overlap_and_speculation_give_the_plain_run(smollm2, xgr_comp
     assert engine.kv.used_slots() == 0
 
 
-def test_abort_while_compiling_and_while_running(smollm2) -> None:
+def test_a_request_waits_for_its_grammar_while_others_run_and_aborts_cleanly(smollm2, xgr_compiler) -> None:
+    """A grammar still compiling (a Future planted in the cache, left pending) holds back its
+    requests only: an unconstrained request runs to the end meanwhile; one waiting request is
+    aborted; once the grammar is there the other runs and follows it. Aborting a running
+    constrained request frees its KV."""
+    import re
+    from concurrent.futures import Future
+
     path, tok, _ = smollm2
     engine = Engine(EngineConfig(model=path, page_size=16))
-    prompt = chat(tok, QUESTIONS[0])
-    schema = {**SCHEMAS[0], "title": "abort-me"}  # a new text: compiled afresh
-    [compiling] = engine.add_request(prompt, SamplingParams(json_schema=schema, max_new_tokens=32))
-    assert engine.abort(compiling).finish_reason == "abort"
-    [running] = engine.add_request(prompt, SamplingParams(json_schema=schema, max_new_tokens=32, temperature=0))
+    prompt = chat(tok, QUESTIONS[2])
+    params = SamplingParams(regex=REGEX, temperature=0, max_new_tokens=32)
+    compiling: Future = Future()
+    engine.structured.compiler._cache[params.constraint] = compiling
+    [held] = engine.add_request(prompt, params)
+    [dropped] = engine.add_request(prompt, params)
+    [free] = engine.add_request(chat(tok, "Say hi."), SamplingParams(temperature=0, max_new_tokens=8))
+    done: dict = {}
+    while free not in done:
+        done.update((o.request_id, o) for o in engine.step())
+    assert done[free].token_ids and {r.rid for r in engine.scheduler.waiting} == {held, dropped}
+    out = engine.abort(dropped)
+    assert out.finish_reason == "abort" and out.token_ids == []
+    compiling.set_result(xgr_compiler.compile_regex(REGEX))
+    while held not in done:
+        done.update((o.request_id, o) for o in engine.step())
+    assert done[held].finish_reason == "stop" and re.fullmatch(REGEX, done[held].text)
+
+    [running] = engine.add_request(prompt, params)
     while not engine.scheduler.running or not engine.scheduler.running[0].output_ids:
         engine.step()
     out = engine.abort(running)

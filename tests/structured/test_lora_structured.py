@@ -11,26 +11,15 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 
-from _structured_helpers import REGEX, SCHEMAS, chat, smollm2, xgr_compiler  # noqa: E402, F401 (fixtures)
+from _structured_helpers import REGEX, SCHEMAS, chat, reference_logits, xgr_compiler  # noqa: E402, F401 (fixtures)
 
 peft = pytest.importorskip("peft")
-xgr = pytest.importorskip("xgrammar")
+pytest.importorskip("xgrammar")
 
 
 def _masked_greedy_check(model, compiler, params, prompt: list[int], out) -> None:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()
-    compiled = (compiler.compile_json_schema(params.json_schema, any_whitespace=False) if params.json_schema
-                else compiler.compile_regex(params.regex))
-    matcher = xgr.GrammarMatcher(compiled)
-    bitmask = xgr.allocate_token_bitmask(1, logits.shape[-1])
-    masked = logits.clone()
-    for i, token in enumerate(out.token_ids):
-        matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(masked[i : i + 1], bitmask)
-        assert matcher.accept_token(token)
-    assert matcher.is_terminated() and out.finish_reason == "stop"
-    assert out.token_ids == masked.argmax(-1).tolist()
+    logits, masked = reference_logits(model, compiler, params, prompt, out.token_ids)
+    assert out.finish_reason == "stop" and out.token_ids == masked.argmax(-1).tolist()
     ref_raw = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.logprobs), ref_raw, atol=2e-4, rtol=0)
 

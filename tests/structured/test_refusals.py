@@ -12,7 +12,7 @@ import pytest
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.structured.spec import GrammarSpec
 
-from _structured_helpers import SCHEMAS, chat, smollm2  # noqa: E402, F401 (fixtures)
+from _structured_helpers import SCHEMAS, chat  # noqa: E402
 
 pytest.importorskip("xgrammar")
 
