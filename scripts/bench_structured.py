@@ -22,7 +22,7 @@ import torch
 from rollout import Engine, EngineConfig
 from rollout.bench.structured import compile_times, mixed_batch, steady_decode
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def _engine(args) -> Engine:
@@ -32,11 +32,13 @@ def _engine(args) -> Engine:
         return Engine(EngineConfig(model=str(fetch_default_model()), page_size=16, max_running_requests=args.batch))
     from rollout.model.shapes import write_shape_dir
 
-    model_dir = write_shape_dir("llama8b", prefix="bench-structured-")
+    model_dir = write_shape_dir(args.shape, prefix="bench-structured-")
     for name in TOKENIZER_FILES:
         if (Path(args.tokenizer) / name).is_file():
             shutil.copy(Path(args.tokenizer) / name, model_dir)
-    return Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", load_format="dummy",
+    cuda = args.device.startswith("cuda")
+    return Engine(EngineConfig(model=model_dir, device=args.device, dtype="bfloat16" if cuda else "float32",
+                               load_format="dummy", max_total_tokens=None if cuda else 65536,
                                max_running_requests=args.batch, page_size=16, max_prefill_tokens=8192,
                                gpu_memory_fraction=0.85))
 
@@ -45,6 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="the Llama-3.1-8B shape on cuda (random weights)")
     parser.add_argument("--tokenizer", help="--gpu: a directory with SmolLM2's tokenizer files")
+    parser.add_argument("--shape", default="llama8b", help="--gpu: the model shape (random weights)")
+    parser.add_argument("--device", default="cuda", help="--gpu: cpu only for a smoke run with --shape tiny")
     parser.add_argument("--batch", type=int, default=None, help="rows (default 16 on CPU, 256 on the GPU)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16 CPU, 64 GPU)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 CPU, 128 GPU)")
@@ -71,8 +75,8 @@ def main() -> None:
             if label not in best or result.tokens_per_s > best[label].tokens_per_s:  # type: ignore[attr-defined]
                 best[label] = result
 
-    device = "H200" if args.gpu else f"CPU ({torch.get_num_threads()} threads)"
-    model = "Llama-3.1-8B shape, bf16, random weights" if args.gpu else "SmolLM2-135M-Instruct, fp32"
+    device = torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    model = f"{args.shape} shape, {engine.config.dtype}, random weights" if args.gpu else "SmolLM2-135M-Instruct, fp32"
     print(f"\n{model}, {device}; batch {args.batch}, prompt {prompt_len}, {args.steps} timed decode steps, "
           f"T=1, best of {args.repeats}")
     print(f"{'batch':<24} | {'tok/s':>9} | {'ms/step':>8} | {'rows running':>12} | {'vs unconstrained':>16}")
