@@ -34,8 +34,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    # "processed": log-prob under the distribution the token was drawn from (after
-    # temperature and top-k/top-p/min-p); "raw": log_softmax of the unmodified logits,
+    # "processed": log-prob under the distribution the token was drawn from (after a
+    # grammar's mask, temperature and top-k/top-p/min-p); "raw": log_softmax of the unmodified logits,
     # which is what a trainer recomputes. For greedy both report the raw value.
     logprobs_mode: str = "processed"
     top_logprobs: int = 0  # > 0: also return the k most likely tokens per position
