@@ -33,7 +33,6 @@ class MaskBuilder:
     def __init__(self, vocab_size: int, threads: int | str = "auto") -> None:
         import xgrammar as xgr
 
-        self.vocab_size = vocab_size
         self.words = (vocab_size + _BITS - 1) // _BITS
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
 

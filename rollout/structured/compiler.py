@@ -39,8 +39,6 @@ class GrammarCompiler:
         # The mask's width is the model's vocabulary (its logits), which may exceed the
         # tokenizer's (padded embeddings); ids past the tokenizer's are never allowed.
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.vocab_size = vocab_size
-        self.stop_token_ids = list(stop_token_ids)
         # xgrammar's own cache is off: this one is keyed by text and bounded by count.
         self._xgr = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
