@@ -24,6 +24,7 @@ from rollout.distributed.tp import TensorParallel
 from rollout.metrics import Counters, EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
+from rollout.structured.service import StructuredOutput
 from rollout.lora_api import LoraAdaptersMixin
 from rollout.validate import check_bool, check_int, check_pause_mode, named_tensor_list
 from rollout.weight_updates import WeightUpdatesMixin
@@ -61,12 +62,14 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.outputs = Outputs(self.tokenizer, self.eos_token_ids, self.context_len)
         self.draft = parts.draft  # speculative="draft": the draft model's runner
         self.drafter = make_drafter(config, self.context_len, self.draft)
+        # json_schema / regex / grammar requests; xgrammar is loaded at the first one
+        self.structured = StructuredOutput(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,
-                             self.model_config.vocab_size, config.overlap, self.drafter)
+                             self.model_config.vocab_size, config.overlap, self.drafter, self.structured)
         limits = Limits(self.model_config.vocab_size, self.context_len, self.kv.capacity - config.page_size)
         self.lora = parts.lora
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,
-                             fork_samples=self.kv.tree is not None, lora=self.lora)
+                             fork_samples=self.kv.tree is not None, lora=self.lora, structured=self.structured)
         self._pending: list[RolloutOutput] = []  # finished outputs not yet handed out
         self.memory = MemorySaver(self.model, [*self.kv_pool.k_buffers, *self.kv_pool.v_buffers],
                                   self.lora.device_tensors() if self.lora is not None else [], self.device,

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+from rollout.structured.spec import GrammarSpec, constraint_fields, spec_of
 from rollout.validate import check_bool, check_float, check_int, check_str
 
 if TYPE_CHECKING:
     from rollout.cache.radix import TreeNode
+    from rollout.structured.matcher import GrammarState
 
 _LOGPROB_MODES = ("processed", "raw")
 
@@ -32,11 +34,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    # "processed": log-prob under the distribution the token was drawn from (after
-    # temperature and top-k/top-p/min-p); "raw": log_softmax of the unmodified logits,
+    # "processed": log-prob under the distribution the token was drawn from (after a
+    # grammar's mask, temperature and top-k/top-p/min-p); "raw": log_softmax of the unmodified logits,
     # which is what a trainer recomputes. For greedy both report the raw value.
     logprobs_mode: str = "processed"
     top_logprobs: int = 0  # > 0: also return the k most likely tokens per position
+    # Structured output (at most one): every token is drawn under a mask of what the
+    # constraint allows next; the request ends ("stop") when it is complete. json_schema: a
+    # dict or its JSON text (kept as JSON text); regex: a pattern; grammar: EBNF whose start
+    # rule is `root` (xgrammar's dialect).
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range, floats for finiteness (NaN passes any
@@ -71,6 +80,11 @@ class SamplingParams:
             raise ValueError(f"{f}min_p={self.min_p}: must be in [0, 1]")
         if self.logprobs_mode not in _LOGPROB_MODES:
             raise ValueError(f"{f}logprobs_mode={self.logprobs_mode!r}: expected one of {_LOGPROB_MODES}")
+        set_(self, "json_schema", constraint_fields(self.json_schema, self.regex, self.grammar))
+
+    @property
+    def constraint(self) -> GrammarSpec | None:
+        return spec_of(self.json_schema, self.regex, self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -141,6 +155,9 @@ class Req:
     # then fork off its KV and its last-position logits instead of recomputing them.
     leader: Req | None = None
     followers: list[Req] = field(default_factory=list)
+
+    # Structured output: this sample's matcher (None: unconstrained)
+    grammar: GrammarState | None = None
 
     @property
     def all_ids(self) -> list[int]:

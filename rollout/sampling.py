@@ -18,6 +18,7 @@ import torch
 
 from rollout.device import to_device
 from rollout.request import Req
+from rollout.structured.bitmask import TokenMask, apply_mask_
 
 _MASK32 = 0xFFFFFFFF
 
@@ -123,9 +124,15 @@ def filtered_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return scaled
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-    """logits: [B, V] float32 -> tokens and log-probs, with no host sync."""
+def sample(logits: torch.Tensor, sb: SamplingBatch, mask: TokenMask | None = None) -> SampleOutput:
+    """logits: [B, V] float32 -> tokens and log-probs, with no host sync.
+
+    `mask` (structured output): its rows draw only the tokens their grammar allows, and their
+    processed log-probs are under that masked distribution; raw log-probs stay those of the
+    unmodified logits. `logits` is masked in place."""
     raw = torch.log_softmax(logits, dim=-1)
+    if mask is not None:
+        apply_mask_(logits, mask)
     if sb.all_greedy:
         tokens = logits.argmax(dim=-1)
         processed = raw

@@ -56,6 +56,8 @@ class Scheduler:
         self.lora = lora
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order, oldest first
+        # waiting requests whose grammar failed to compile: the step loop finishes them
+        self.grammar_failed: list[Req] = []
         self._arrival = count()
 
     # ---- queue management ---------------------------------------------------------------
@@ -170,6 +172,12 @@ class Scheduler:
                 break
             if req.leader is not None or req.num_inflight:
                 continue  # waits for its leader's prompt (then forks it) / for its last token
+            if req.grammar is not None and not req.grammar.ready():
+                continue  # its grammar is compiling (off this thread): the others go on
+            if req.grammar is not None and req.grammar.error() is not None:
+                if req not in self.grammar_failed:
+                    self.grammar_failed.append(req)
+                continue
             lora = self.lora if req.lora_name is not None else None
             if lora is not None and not lora.can_acquire(req.lora_name):  # type: ignore[arg-type]
                 continue  # every slot serves a running adapter: this one waits, others may go

@@ -101,3 +101,17 @@ def grow_slots(alloc, slots: torch.Tensor, n: int) -> torch.Tensor:
     take = min((ps - start % ps) % ps, n)
     fill = torch.arange(int(slots[-1]) + 1, int(slots[-1]) + 1 + take, dtype=torch.int64) if take else slots[:0]
     return torch.cat([slots, fill, alloc.slots_for_positions(start + take, start + n)])
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model, SmolLM2-135M-Instruct (fetched once): (its dir, the HF tokenizer,
+    the HF model in float32, the reference)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.model.fetch import fetch_default_model
+
+    path = fetch_default_model()
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return str(path), tok, hf

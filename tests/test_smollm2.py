@@ -19,18 +19,6 @@ NEW = 40
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rollout.model.fetch import fetch_default_model
-
-    path = fetch_default_model()
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return str(path), tok, hf
-
-
-@pytest.fixture(scope="module")
 def chats(smollm2):
     """The questions as chat prompts, with transformers' greedy completions."""
     path, tok, hf = smollm2

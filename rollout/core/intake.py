@@ -19,6 +19,7 @@ from rollout.validate import check_int, check_str, token_ids
 
 if TYPE_CHECKING:
     from lora.manager import LoraManager
+    from rollout.structured.service import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,10 @@ class Limits:
 
 class Intake:
     def __init__(self, limits: Limits, tokenizer, id_in_use: Callable[[str], bool], seed: int,
-                 fork_samples: bool, lora: LoraManager | None = None) -> None:
+                 fork_samples: bool, lora: LoraManager | None = None, structured: StructuredOutput | None = None) -> None:
         self.limits = limits
         self.lora = lora
+        self.structured = structured  # json_schema / regex / grammar requests (None: refused)
         self.fork_samples = fork_samples  # n > 1: samples fork the first one's prompt KV (needs the radix tree)
         self.tokenizer = tokenizer
         self._id_in_use = id_in_use
@@ -99,11 +101,12 @@ class Intake:
             base = check_str(request_id, "request_id")
         if self._id_in_use(base) or (params.n > 1 and self._id_in_use(f"{base}-0")):
             raise ValueError(f"request id {base!r} is already in use")
+        grammars = self._grammar_states(params, where)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         reqs = [
             Req(rid=base if params.n == 1 else f"{base}-{i}", prompt_ids=ids, params=params,
                 seed=derive_seed(seed, i), prompt_index=prompt_index, sample_index=i, namespace=namespace,
-                lora_name=lora_name, lora_version=lora_version)
+                lora_name=lora_name, lora_version=lora_version, grammar=grammars[i] if grammars else None)
             for i in range(params.n)
         ]
         if len(reqs) > 1 and self.fork_samples:
@@ -112,6 +115,18 @@ class Intake:
             for follower in leader.followers:
                 follower.leader = leader
         return reqs
+
+    def _grammar_states(self, params: SamplingParams, where: str) -> list | None:
+        """Each sample's matcher state (its grammar compiling in the background), or None."""
+        spec = params.constraint
+        if spec is None:
+            return None
+        if self.structured is None:
+            raise ValueError(f"{where}: {spec.field}: this engine does not serve structured output")
+        try:
+            return self.structured.states(spec, params.n)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
 
 
 def split_batch(input_ids: Any, prompts: Any, sampling_params: Any) -> list[tuple[list[int] | None, str | None, SamplingParams]]:

@@ -1,14 +1,18 @@
-"""The step loop: schedule -> launch (forward + sample, results left on the device) ->
-read back (append tokens, finish requests), with overlap scheduling: step t+1 is launched
-before step t's tokens are read back, so host work hides behind device work.
+"""The step loop: schedule -> forward -> sample (results left on the device) -> read back
+(append tokens, finish requests), with overlap scheduling: step t+1 is launched before step
+t's tokens are read back, so host work hides behind device work. A step with constrained
+rows (structured output) reads step t back between its forward and its sampling: their
+masks need the token in flight.
 
-`launch` and `read_back` are public so that benchmarks and diagnostics can time them
-(scripts/bench_host.py, diag_host.py) without reaching into private methods.
+`forward`, `sample` and `read_back` are public so that benchmarks and diagnostics can time
+them (scripts/bench_host.py, diag_host.py) without reaching into private methods.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,9 +25,29 @@ from rollout.model.runner import ModelRunner
 from rollout.request import Req, RolloutOutput
 from rollout.sampling import SamplingBatch, sample
 from rollout.scheduler import ScheduledBatch, Scheduler
+from rollout.structured.bitmask import TokenMask
 
 if TYPE_CHECKING:
+    from rollout.structured.service import StructuredOutput
     from speculative.base import Drafter
+
+log = logging.getLogger("rollout")
+
+
+@dataclass
+class Forwarded:
+    """A step whose logits are on the device and not yet sampled: with overlap scheduling and
+    constrained rows, the previous step is read back in between (the masks need its tokens)."""
+
+    logits: torch.Tensor  # [rows, vocab] float32: one row per position drawn
+    reqs: list[Req]  # the requests that sample, in row order
+    drafts: list[list[int]]  # the drafts each request verifies (its rows are 1 + len(drafts))
+    pool_rows: list[int]  # each request's row in the request table (taken before a read back frees it)
+    version: int
+
+    @property
+    def constrained(self) -> bool:
+        return any(r.grammar is not None for r in self.reqs)
 
 
 @dataclass
@@ -41,7 +65,8 @@ class Launched:
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVManager, outputs: Outputs,
-                 counters: Counters, vocab_size: int, overlap: bool, drafter: Drafter | None = None) -> None:
+                 counters: Counters, vocab_size: int, overlap: bool, drafter: Drafter | None = None,
+                 structured: StructuredOutput | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv
@@ -51,26 +76,36 @@ class StepLoop:
         self.overlap = overlap
         self.drafter = drafter  # speculative decoding (then overlap is off: drafts need the last tokens)
         self.inflight: Launched | None = None  # overlap scheduling: the step not yet read back
+        self.structured = structured  # grammar masks for constrained requests
 
     def step(self, version: int) -> list[RolloutOutput]:
         """One scheduler -> model -> sampler step; returns the requests that finished (with
         overlap scheduling, those of the previous step)."""
-        finished: list[RolloutOutput] = []
         start, generated = time.perf_counter(), self.counters.generated_tokens
+        finished = self._finish_failed_grammars(version)
         if self.drafter is not None:
             self.drafter.propose_all(self.scheduler.running)
+            _trim_drafts_to_grammar(self.scheduler.running)
         batch = self.scheduler.schedule()
-        launched = self.launch(batch, version) if batch is not None else None
+        forwarded = self.forward(batch, version) if batch is not None else None
         if self.overlap:
-            previous, self.inflight = self.inflight, launched
+            previous, self.inflight = self.inflight, None
+            if previous is not None and forwarded is not None and forwarded.constrained:
+                # A constrained row's mask needs the token still in flight: read it back now,
+                # while the forward just launched keeps the device busy; sampling follows.
+                finished.extend(self.read_back(previous))
+                previous = None
+            self.inflight = self.sample(forwarded) if forwarded is not None else None
             if previous is not None:
-                finished = self.read_back(previous)
-        elif launched is not None:
-            finished = self.read_back(launched)
+                finished.extend(self.read_back(previous))
+        elif forwarded is not None:
+            finished.extend(self.read_back(self.sample(forwarded)))
         if batch is not None:
             self.counters.steps += 1
             if self.drafter is not None:  # overlap is off: this step's tokens are read back
                 self.drafter.observe_speed(time.perf_counter() - start, self.counters.generated_tokens - generated)
+        elif self.scheduler.waiting:
+            self._wait_for_grammars()
         return finished
 
     def drain(self) -> list[RolloutOutput]:
@@ -80,8 +115,8 @@ class StepLoop:
         launched, self.inflight = self.inflight, None
         return self.read_back(launched)
 
-    def launch(self, batch: ScheduledBatch, version: int) -> Launched:
-        """Forward and sample one batch; the results stay on the device until read back."""
+    def forward(self, batch: ScheduledBatch, version: int) -> Forwarded:
+        """Run the model on one batch: its logits stay on the device, not yet sampled."""
         self.counters.retractions += len(batch.retracted)
         for req in batch.reqs:
             self._note_admission(req)
@@ -92,9 +127,14 @@ class StepLoop:
             req.num_computed_tokens += n
             self.counters.computed_tokens += n
         rows, samplers = self._fork_followers(samplers)
-        drafts = [list(r.draft_tokens) for r in samplers]
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
+        return Forwarded(logits, samplers, [list(r.draft_tokens) for r in samplers],
+                         [r.req_pool_idx for r in samplers], version)
+
+    def sample(self, forwarded: Forwarded) -> Launched:
+        """Sample a forwarded batch (under its grammars' masks); results stay on the device."""
+        logits, samplers, drafts, version = forwarded.logits, forwarded.reqs, forwarded.drafts, forwarded.version
         if not samplers:
             return Launched([], None, [], None, 0, version)
         # one sampling row per position drawn: a request verifying k drafts draws k + 1 tokens,
@@ -102,10 +142,11 @@ class StepLoop:
         # decoding would have drawn there (drafts are proposals, accepted where they agree)
         row_reqs = [r for r, d in zip(samplers, drafts) for _ in range(1 + len(d))]
         offsets = [j for d in drafts for j in range(1 + len(d))]
+        mask = self._token_mask(forwarded, logits.device) if forwarded.constrained else None
         res = sample(logits, SamplingBatch.from_reqs(row_reqs, self.vocab_size, logits.device,
-                                                     offsets if len(row_reqs) > len(samplers) else None))
+                                                     offsets if len(row_reqs) > len(samplers) else None), mask)
         if self.overlap:  # only then does a step read tokens it has not seen
-            self.runner.record_tokens([r.req_pool_idx for r in samplers], res.token_ids)
+            self.runner.record_tokens(forwarded.pool_rows, res.token_ids)
         for req in samplers:
             req.num_inflight += 1
         # Everything the host needs, packed into one float64 tensor (token ids < 2**53 are
@@ -124,6 +165,39 @@ class StepLoop:
             event.record()
             packed = host
         return Launched(samplers, packed, drafts, event, k, version)
+
+    def _token_mask(self, forwarded: Forwarded, device: torch.device) -> TokenMask | None:
+        """The grammar mask of this step's constrained rows (their matchers have seen every
+        token emitted so far: with overlap, the previous step was read back first)."""
+        rows, at = [], 0
+        for req, drafts in zip(forwarded.reqs, forwarded.drafts):
+            if req.grammar is not None and not req.finished:
+                rows.append((at, req.grammar, drafts))
+            at += 1 + len(drafts)
+        assert self.structured is not None, "constrained requests come through the engine's intake"
+        return self.structured.masks.build(rows, at, device)
+
+    def _finish_failed_grammars(self, version: int) -> list[RolloutOutput]:
+        """Waiting requests whose grammar failed to compile end as aborted (the error is
+        logged); rare: intake already refused what xgrammar cannot parse."""
+        failed, self.scheduler.grammar_failed = self.scheduler.grammar_failed, []
+        outputs = []
+        for req in failed:
+            if req.finished:
+                continue
+            log.warning("request %s: %s", req.rid, req.grammar.error())  # type: ignore[union-attr]
+            req.finish_reason = "abort"
+            self.scheduler.remove(req)
+            self.counters.aborted_requests += 1
+            outputs.append(self.outputs.make(req, version))
+        return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran and requests wait: if it is for their grammars, sleep until one is
+        compiled (at most 50 ms) instead of spinning against the compiling threads."""
+        pending = [r.grammar.compiled for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.ready()]
+        if pending:
+            wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def read_back(self, launched: Launched) -> list[RolloutOutput]:
         """Append a launched step's tokens (waiting for them if need be) and finish requests."""
@@ -147,7 +221,10 @@ class StepLoop:
                 req.append_token(token, *self._logprobs(req, row, k), launched.version)
                 emitted += 1
                 self.counters.generated_tokens += 1
-                if self.outputs.check_finish(req, token) or j == len(drafts) or token != drafts[j]:
+                done = self.outputs.check_finish(req, token)
+                if req.grammar is not None and req.grammar.accept(token):
+                    req.finish_reason, done = "stop", True  # the grammar is complete (its stop token accepted)
+                if done or j == len(drafts) or token != drafts[j]:
                     break  # finished, or the first token that differs from its draft ends the run
             if drafts:
                 self._settle_drafts(req, len(drafts), emitted)
@@ -217,3 +294,12 @@ class StepLoop:
                     out.append(follower)
             leader.followers = []
         return rows, out
+
+
+def _trim_drafts_to_grammar(running: list[Req]) -> None:
+    """Cut each constrained request's drafts to what its grammar allows: a refused draft
+    could never be accepted (the token drawn there is masked to the grammar), so verifying
+    it would only waste the position."""
+    for req in running:
+        if req.grammar is not None and req.draft_tokens:
+            req.draft_tokens = req.draft_tokens[: req.grammar.legal_prefix(req.draft_tokens)]

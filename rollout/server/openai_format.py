@@ -18,6 +18,7 @@ from functools import lru_cache
 
 from rollout.server.openai_choices import ChoiceEvent
 from rollout.server.openai_protocol import GenerationJob
+from rollout.server.openai_structured import tool_call_id, tool_calls
 
 
 class Formatter:
@@ -92,14 +93,17 @@ class Formatter:
         if job.kind == "completion":
             choice["text"] = event.text
             choice["logprobs"] = self._completion_logprobs(event) if job.logprobs is not None else None
+        elif job.tool_call is not None:
+            self._tool_call_choice(choice, event, first, delta)
         else:
             if delta:
                 choice["delta"] = {"role": "assistant", "content": event.text} if first else (
                     {"content": event.text} if event.text or event.token_ids else {})
             else:
                 choice["message"] = {"role": "assistant", "content": event.text}
+        if job.kind == "chat":
             choice["logprobs"] = self._chat_logprobs(event) if job.logprobs is not None else None
-        choice["finish_reason"] = event.finish_reason
+        choice.setdefault("finish_reason", event.finish_reason)
         if job.return_token_ids:
             if first:
                 choice["prompt_token_ids"] = job.prompts[event.index // job.n]
@@ -114,6 +118,27 @@ class Formatter:
                     choice["lora_name"] = out.lora_name
                     choice["lora_versions"] = [list(s) for s in out.lora_versions or []]
         return choice
+
+    def _tool_call_choice(self, choice: dict, event: ChoiceEvent, first: bool, delta: bool) -> None:
+        """A forced tool call: the constrained text is the call (openai_structured.py)."""
+        mode = self.job.tool_call
+        assert mode is not None
+        if delta:  # streamed: only a named function (its id and name first, then the arguments)
+            if first:
+                call = {"index": 0, "id": tool_call_id(), "type": "function",
+                        "function": {"name": mode.name, "arguments": event.text}}
+                choice["delta"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+            else:
+                choice["delta"] = {"tool_calls": [{"index": 0, "function": {"arguments": event.text}}]} \
+                    if event.text else {}
+            return
+        calls = tool_calls(mode, event.text)
+        if calls is None:  # not a complete call (cut by max_tokens): the text as it is
+            choice["message"] = {"role": "assistant", "content": event.text}
+            return
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        if mode.name is None and event.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

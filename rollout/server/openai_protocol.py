@@ -2,7 +2,7 @@
 
 Every refusal is an `ApiError` that names the field (`param`), as OpenAI's own errors do. A
 field that would change what is sampled and that the engine cannot honour (penalties,
-logit_bias, best_of, echo, a response format, ...) is refused, never ignored; so is a field
+logit_bias, best_of, echo, ...) is refused, never ignored; so is a field
 this server does not know (OpenAI answers those with a 400 too). Fields that change nothing
 sampled (user, metadata, ...) are accepted and ignored.
 
@@ -12,26 +12,19 @@ engine or HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from rollout.request import SamplingParams
+from rollout.server.openai_errors import ApiError
+from rollout.server.openai_structured import ToolCallMode, output_schema
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -54,6 +47,7 @@ class GenerationJob:
     include_usage: bool
     logprobs: int | None  # None: no OpenAI logprobs; k: with the k most likely tokens per position
     return_token_ids: bool  # the token-id extension: prompt/response ids, log-probs, weight versions
+    tool_call: ToolCallMode | None = None  # chat: the output is a forced tool call (openai_structured.py)
 
     @property
     def n(self) -> int:
@@ -148,9 +142,7 @@ def parse_completion(body: Any, tokenizer, limits: Limits) -> GenerationJob:
 
 def parse_chat(body: Any, tokenizer, limits: Limits) -> GenerationJob:
     b = _Body(body, _CHAT)
-    b.refuse_unless("response_format", ({"type": "text"},), "no constrained decoding")
-    b.refuse_unless("tool_choice", ("auto", "none"), "no constrained decoding (tools are rendered into the "
-                    "prompt by the chat template; calls come back as text)")
+    schema, tool_call = output_schema(b.body)  # response_format / a forced tool_choice
     for name in ("reasoning_effort", "audio", "prediction", "web_search_options", "functions", "function_call",
                  "verbosity"):
         b.refuse_unless(name, (), "not supported by this engine")
@@ -164,8 +156,15 @@ def parse_chat(body: Any, tokenizer, limits: Limits) -> GenerationJob:
     if top is not None and not wants:
         raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if wants else None
-    return _job(b, "chat", [prompt], "messages", logprobs, default_max_tokens=None, limits=limits,
-                max_tokens_field="max_completion_tokens" if max_completion is not None else "max_tokens")
+    job = _job(b, "chat", [prompt], "messages", logprobs, default_max_tokens=None, limits=limits,
+               max_tokens_field="max_completion_tokens" if max_completion is not None else "max_tokens")
+    if schema is None:
+        return job
+    try:
+        params = dataclasses.replace(job.params, json_schema=schema)
+    except (TypeError, ValueError) as exc:
+        raise ApiError(str(exc), "tool_choice" if tool_call is not None else "response_format") from None
+    return dataclasses.replace(job, params=params, tool_call=tool_call)
 
 
 def _job(b: _Body, kind: str, prompts: list[list[int]], prompt_field: str, logprobs: int | None,
@@ -328,7 +327,7 @@ def engine_error(exc: Exception) -> ApiError:
     """An engine's refusal (ValueError / TypeError naming its own field) as a 400 naming ours."""
     message = str(exc)
     param = None
-    for key, field in (("max_new_tokens", "max_tokens"), ("lora_name", "model"), ("token id", "prompt"),
+    for key, field in (("json_schema", "response_format"), ("max_new_tokens", "max_tokens"), ("lora_name", "model"), ("token id", "prompt"),
                        ("top_logprobs", "logprobs"), ("stop_token_ids", "stop_token_ids"), ("seed", "seed")):
         if key in message:
             param = field

@@ -61,3 +61,14 @@ def test_bench_client_smoke_on_cpu() -> None:
     rows = [line.split("|") for line in text.splitlines() if line.strip()[:1].isdigit() and "|" in line]
     assert [int(r[0]) for r in rows] == [1, 4], text[-1500:]
     assert all(r[-1].strip() == "yes" for r in rows), "the client's tokens differ from in-process"
+
+
+def test_bench_structured_smoke_on_cpu() -> None:
+    """The CPU run, and the --gpu path on the tiny shape (SmolLM2's tokenizer over its 512 ids)."""
+    from rollout.model.fetch import fetch_default_model
+
+    small = ("--batch", "2", "--steps", "2", "--prompt-len", "8", "--repeats", "1")
+    for extra in ((), ("--gpu", "--shape", "tiny", "--device", "cpu", "--tokenizer", str(fetch_default_model()))):
+        text = _run("scripts.bench_structured", *small, *extra)
+        rows = [line for line in text.splitlines() if line.startswith(("unconstrained", "half JSON")) and "|" in line]
+        assert len(rows) == 2 and "compile JSON schema" in text, text[-1500:]
