@@ -10,9 +10,10 @@ prefilled in one chunk or several. cuBLAS does the same on the GPU (split-K pick
 - CPU: the rows go through the library in fixed blocks of ROW_BLOCK rows (the last block
   padded with zeros), one batched GEMM of fixed-shape blocks: rows of a block do not
   interact, and every block is computed the same way.
-- GPU: one Triton matmul with a single tile configuration and no split-K, so each output's
-  reduction over K runs in the same order whatever M is (as in Thinking Machines'
-  batch_invariant_ops). The same kernel runs on CPU tensors under TRITON_INTERPRET=1 (tests).
+- GPU: one Triton matmul without split-K whose K loop is fixed (blocks of BLOCK_K, in
+  order), so each output's reduction over K runs in the same order whatever M is (as in
+  Thinking Machines' batch_invariant_ops). The same kernel runs on CPU tensors under
+  TRITON_INTERPRET=1 (tests).
 
 What it does not know: which layers call it (the model's Linear does, when told to by the
 engine's builder).
@@ -30,8 +31,11 @@ ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row c
 
 @dataclass(frozen=True)
 class TileConfig:
-    """A GPU kernel configuration. It may follow the weight's shape (N, K: the same for
-    every call of a layer) but never the number of rows M: that is the point."""
+    """A GPU kernel configuration. What fixes a row's result is the K loop: blocks of
+    block_k, in order, one program (no split-K). Tile sizes along M and N only say which
+    program computes which outputs; on the H200 every config with block_k = 64 gives the same
+    bits for every row (tests/kernels/test_batch_invariant.py checks it), so the tiles may
+    follow the row count while block_k never does."""
 
     block_m: int
     block_n: int
@@ -40,18 +44,22 @@ class TileConfig:
     num_stages: int
 
 
+BLOCK_K = 64
 # Measured on the H200 (BENCHMARKS.md, scripts/bench_batch_invariant.py; bf16, Llama-3.1-8B
-# projections at 1-2048 rows): 64x128 tiles are best for the narrow projections (qkv, o),
-# 128x128 with 8 warps for the wide ones (gate_up, down, lm_head).
-_NARROW = TileConfig(64, 128, 64, 4, 3)
-_WIDE = TileConfig(128, 128, 64, 8, 3)
-config: TileConfig | None = None  # a fixed override (the benchmark's candidates); None: by shape
+# projections at 1-2048 rows): 64x64 tiles with 4 stages at decode sizes, 128x128 with 8 warps
+# for the wide projections (gate_up, lm_head) from a few hundred rows and for every projection
+# at prefill sizes.
+_SMALL = TileConfig(64, 64, BLOCK_K, 4, 4)
+_LARGE = TileConfig(128, 128, BLOCK_K, 8, 3)
+config: TileConfig | None = None  # a fixed override (the benchmark's candidates); None: chosen here
 
 
-def config_for(n: int, k: int) -> TileConfig:
+def config_for(m: int, n: int) -> TileConfig:
     if config is not None:
         return config
-    return _WIDE if n * k >= 4096 * 14336 else _NARROW
+    if m <= 64 or (m <= 512 and n < 16384):
+        return _SMALL
+    return _LARGE
 
 # None: Triton on CUDA tensors (when it imports), blocked torch elsewhere. Tests set True to
 # run the Triton kernel on CPU tensors under TRITON_INTERPRET=1.
@@ -106,7 +114,7 @@ def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
-    c = config_for(n, k)
+    c = config_for(m, n)
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))
     matmul_kernel[grid](
         rows, weight, bias if bias is not None else out, out, m, n, k,
