@@ -138,10 +138,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         req = self.scheduler.find(request_id)
         if req is None:
             return None
-        req.finish_reason = "abort"
-        self.scheduler.remove(req)
-        self.counters.aborted_requests += 1
-        return self.outputs.make(req, self.weight_version)
+        return self.loop.abort(req, self.weight_version)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.loop.inflight is not None

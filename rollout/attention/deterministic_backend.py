@@ -48,25 +48,22 @@ class DeterministicAttention(AttentionBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
         super().plan(batch)
-        lengths: list[int] = []  # per token row: the KV it sees (its own position + 1)
-        starts: list[int] = []  # per token row: where its request's KV begins in kv_indices
-        reqs: list[int] = []  # per token row: its request
-        backs: list[int] = []  # per token row: how many of its request's new tokens follow it
-        kv_start = 0
-        for b, (n, seq_len) in enumerate(zip(batch.extend_lens, batch.seq_lens)):
-            lengths.extend(range(seq_len - n + 1, seq_len + 1))
-            starts.extend([kv_start] * n)
-            reqs.extend([b] * n)
-            backs.extend(range(n - 1, -1, -1))
-            kv_start += seq_len
+        # Per token row, from the per-request lists (host tensors, no loop over tokens): its
+        # request, and how many of that request's new tokens follow it.
+        extend = torch.tensor(batch.extend_lens, dtype=torch.int64)  # [B]
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)  # [B]
+        reqs = torch.repeat_interleave(torch.arange(len(extend)), extend)  # [T]
+        first_row = torch.cumsum(extend, 0) - extend  # [B]
+        backs = extend[reqs] - 1 - (torch.arange(len(reqs)) - first_row[reqs])  # [T]
         device = batch.kv_indices.device
         if self.triton:
-            self.row_req = torch.tensor(reqs, dtype=torch.int32, device=device)  # [T]
-            self.row_back = torch.tensor(backs, dtype=torch.int64, device=device)  # [T]
+            self.row_req = reqs.to(device=device, dtype=torch.int32)
+            self.row_back = backs.to(device)
         else:
-            self.row_lengths = torch.tensor(lengths, dtype=torch.int64, device=device)  # [T]
-            self.row_starts = torch.tensor(starts, dtype=torch.int64, device=device)  # [T]
-            self.num_tiles = -(-max(lengths, default=0) // KV_TILE)
+            lengths = seq_lens[reqs] - backs  # the KV a row sees: its own position + 1
+            self.row_lengths = lengths.to(device)
+            self.row_starts = (torch.cumsum(seq_lens, 0) - seq_lens)[reqs].to(device)  # its request's KV in kv_indices
+            self.num_tiles = -(-int(lengths.max()) // KV_TILE) if len(lengths) else 0
 
     def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
         """A decode graph's rows are its requests (RowReq = arange, RowBack = 0), read from

@@ -1,6 +1,6 @@
 """The GPU twin of DeterministicAttention's torch path: one Triton program per (token row,
 KV head) walks the row's own KV from position 0 in tiles of KV_TILE slots, with an online
-softmax in float32. Nothing in a program depends on the other rows (no split-KV whose split
+softmax in float32 (the extend kernel's inner loop). Nothing in a program depends on the other rows (no split-KV whose split
 count follows the batch, one tile config), so a row's output is the same in any batch, and
 the kernel reads only device tensors (CUDA graphs replay it).
 
@@ -16,10 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.attention.triton_kernels import _LOG2E, _extend_inner
+
 
 @triton.jit
 def _rows_attention_kernel(
-    Q, K, V, Out, KvIndptr, KvIndices, RowReq, RowBack, scale,
+    Q, K, V, Out, KvIndptr, KvIndices, RowReq, RowBack, qk_scale,  # sm_scale * log2(e)
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE: tl.constexpr, PRECISION: tl.constexpr,
@@ -39,21 +41,12 @@ def _rows_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(0, length, TILE):
-        offs_n = n0 + tl.arange(0, TILE)
-        mask_n = offs_n < length
-        slots = tl.load(KvIndices + start + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, TILE]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # the extend kernel's online-softmax loop, non-causal over [0, length): tiles of TILE from
+    # position 0 in order, whatever the batch
+    acc, l_i, m_i = _extend_inner(
+        acc, l_i, m_i, q, K, V, KvIndices, start, kvh, local_h, 0, 0, length, qk_scale,
+        stride_ks, stride_kh, stride_vs, stride_vh, offs_d, mask_d, BLOCK_N=TILE, CAUSAL=False, PRECISION=PRECISION,
+    )
     out = acc / l_i[:, None]
     tl.store(Out + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=mask_h[:, None] & mask_d[None, :])
@@ -69,7 +62,7 @@ def rows_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv
         return
     group = h // hkv
     _rows_attention_kernel[(t, hkv)](
-        q, k_buf, v_buf, out, kv_indptr, kv_indices, row_req, row_back, scale,
+        q, k_buf, v_buf, out, kv_indptr, kv_indices, row_req, row_back, scale * _LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),

@@ -186,11 +186,16 @@ class StepLoop:
             if req.finished:
                 continue
             log.warning("request %s: %s", req.rid, req.grammar.error())  # type: ignore[union-attr]
-            req.finish_reason = "abort"
-            self.scheduler.remove(req)
-            self.counters.aborted_requests += 1
-            outputs.append(self.outputs.make(req, version))
+            outputs.append(self.abort(req, version))
         return outputs
+
+    def abort(self, req: Req, version: int) -> RolloutOutput:
+        """End a request now (the caller's abort, a grammar that failed to compile): its
+        output holds what it had, marked aborted."""
+        req.finish_reason = "abort"
+        self.scheduler.remove(req)
+        self.counters.aborted_requests += 1
+        return self.outputs.make(req, version)
 
     def _wait_for_grammars(self) -> None:
         """Nothing ran and requests wait: if it is for their grammars, sleep until one is

@@ -112,13 +112,8 @@ class AsyncRolloutClient:
             left = set(await self._finish(call_id, "add", timeout, keep=True))
             while left:
                 message = await self._next(call_id, timeout, "stream")
-                if isinstance(message, protocol.ErrorReply):
-                    raise core.remote_error(message)
-                if isinstance(message, protocol.Event):
-                    for delta in message.deltas:
-                        if delta.finished:
-                            left.discard(delta.request_id)
-                        yield delta
+                for delta in core.stream_deltas(message, left):
+                    yield delta
             done = True
         finally:
             self._queues.pop(call_id, None)

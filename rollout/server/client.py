@@ -125,13 +125,7 @@ class RolloutClient:
             left = set(self._finish(call_id, "add", timeout, keep=True))
             while left:
                 message = self._next(call_id, timeout, "stream")
-                if isinstance(message, protocol.ErrorReply):
-                    raise core.remote_error(message)
-                if isinstance(message, protocol.Event):
-                    for delta in message.deltas:
-                        if delta.finished:
-                            left.discard(delta.request_id)
-                        yield delta
+                yield from core.stream_deltas(message, left)
             done = True
         finally:
             with self._lock:

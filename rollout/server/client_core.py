@@ -86,6 +86,19 @@ def remote_error(message: protocol.ErrorReply) -> Exception:
     return cls(message.message) if cls is not None else EngineError(message.error_type, message.message)
 
 
+def stream_deltas(message: object, left: set[str]) -> list[protocol.StreamDelta]:
+    """The deltas of one message of a stream (raising its error reply), crossing off the
+    request ids whose last delta this is; the sync and asyncio clients read streams alike."""
+    if isinstance(message, protocol.ErrorReply):
+        raise remote_error(message)
+    if not isinstance(message, protocol.Event):
+        return []
+    for delta in message.deltas:
+        if delta.finished:
+            left.discard(delta.request_id)
+    return list(message.deltas)
+
+
 def check_frames(frames: list, info: protocol.ServerInfo | None) -> None:
     """Refuse locally what the engine would refuse (or drop the connection for)."""
     if info is None:
