@@ -28,6 +28,7 @@ from rollout.model.loader import iter_checkpoint, load_weights
 from rollout.model.parallel import check_tp_size
 from rollout.model.runner import ModelRunner
 from rollout.scheduler import Scheduler
+from rollout.validate import first_non_finite
 
 if TYPE_CHECKING:
     from lora.manager import LoraManager
@@ -124,6 +125,10 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
         draft.make_pool(max_tokens)
         draft.attach()
     attach_backend(config, cfg, runner, kv_pool, min(context_len, kv.capacity))
+    if device.type == "cuda":
+        # The first weight update would otherwise compile the finiteness kernel (~1 s on a
+        # fresh machine): an RL run's step 1 should cost what every later step does.
+        first_non_finite([torch.zeros(1, dtype=config.torch_dtype, device=device)])
     return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft, tp)
 
 

@@ -1,6 +1,7 @@
 """Fused GPU kernels for the decoder's per-token elementwise work (RMSNorm with the residual
 add, SiLU-and-mul, rotary embedding). They live in `rollout.kernels.fused` (Triton); the
-torch code in `rollout.model.llama` is both the CPU path and their reference.
+torch code in `rollout.model.llama` is both the CPU path and their reference. Beside them,
+`rollout.kernels.finite`: the one-launch NaN/Inf check of a weight update's tensors.
 
 `use_fused(x)` is the one dispatch test the model makes. It is cheap on the CPU path (no
 triton import: `fused` is loaded lazily on first access), and by default true exactly for
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from rollout.kernels import finite as finite
     from rollout.kernels import fused as fused
 
 __all__ = ["available", "enabled", "use_fused"]
@@ -49,8 +51,9 @@ def use_fused(x: torch.Tensor) -> bool:
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy `kernels.fused` (PEP 562): importing the model never imports triton. After the
-    # first access the submodule is a real attribute and this hook is not called again.
-    if name == "fused":
-        return importlib.import_module(f"{__name__}.fused")
+    # Lazy `kernels.fused` / `kernels.finite` (PEP 562): importing the model never imports
+    # triton. After the first access the submodule is a real attribute and this hook is not
+    # called again.
+    if name in ("fused", "finite"):
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
