@@ -93,26 +93,66 @@ def iter_hf_views(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, param if rows is None else param[rows]
 
 
+@dataclass(frozen=True)
+class _Target:
+    """Where one HF name goes in this model, worked out once per name (see _targets)."""
+
+    param: nn.Parameter  # its .data is read at each plan: sleep/wake swap it in place
+    rows: slice | None
+    dim: int | None  # the TP shard dimension, None when not sharded
+
+
+class _Targets:
+    """The model's memo of HF name -> _Target (None: a name to ignore), filled as names come.
+
+    A weight update sends the same few hundred names every step; mapping each through the
+    regexes and the parameter dict again cost ~11 us a tensor (3.3 ms for an 8B model)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())  # Parameters keep their identity (sleep/wake too)
+        self.by_name: dict[str, _Target | None] = {}
+
+    @staticmethod
+    def of(model: nn.Module) -> _Targets:
+        memo = model.__dict__.get("_hf_targets")
+        if memo is None:
+            memo = model.__dict__["_hf_targets"] = _Targets(model)
+        return memo
+
+    def lookup(self, hf_name: str) -> _Target | None:
+        if hf_name in self.by_name:
+            return self.by_name[hf_name]
+        cfg: ModelConfig = self.model.config  # type: ignore[assignment]
+        target = _target(cfg, hf_name)
+        if target is None:
+            self.by_name[hf_name] = None
+            return None
+        pname, rows = target
+        param = self.params.get(pname)
+        if param is None:  # not memoized: a typo keeps failing, and costs nothing on the good path
+            raise ValueError(f"unknown parameter {hf_name!r}: the {cfg.architecture} model has no such tensor")
+        tp = self.model.tp  # type: ignore[attr-defined]
+        self.by_name[hf_name] = found = _Target(param, rows, shard_dim(pname) if tp.size > 1 else None)
+        return found
+
+
 def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool) -> list[WeightWrite]:
     """Map and validate a whole update. Raises ValueError naming the first bad tensor."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
     tp = model.tp  # type: ignore[attr-defined]
-    params = dict(model.named_parameters())
+    targets = _Targets.of(model)
     writes: list[WeightWrite] = []
     seen: set[str] = set()
     for hf_name, tensor in named_tensors:
-        target = _target(cfg, hf_name)
+        target = targets.lookup(hf_name)
         if target is None:
             continue
-        pname, rows = target
-        param = params.get(pname)
-        if param is None:
-            raise ValueError(f"unknown parameter {hf_name!r}: the {cfg.architecture} model has no such tensor")
+        param, rows, dim = target.param.data, target.rows, target.dim
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"parameter {hf_name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.is_floating_point():
             raise ValueError(f"parameter {hf_name!r}: dtype {tensor.dtype} is not a floating-point type")
-        dim = shard_dim(pname) if tp.size > 1 else None
         # rows are in the whole model's fused layout; a dim-0 shard leaves the other dims whole
         want = (rows.stop - rows.start, *param.shape[1:]) if rows is not None else full_shape(param.shape, dim, tp)
         if tuple(tensor.shape) != want:
@@ -123,7 +163,7 @@ def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tenso
         if dim is not None:
             tensor = take_shard(tensor, dim, tp)
             rows = local_rows(rows, tp) if rows is not None else None
-        writes.append(WeightWrite(hf_name, param.data, rows, tensor))
+        writes.append(WeightWrite(hf_name, param, rows, tensor))
     if full:
         missing = [n for n in expected_hf_names(cfg) if n not in seen]
         if missing:
