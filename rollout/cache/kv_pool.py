@@ -28,8 +28,10 @@ class PageAllocator:
         self.page_size = page_size
         # Hand out low pages first: reuse keeps the working set small.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
-        self._is_free = torch.ones(num_pages, dtype=torch.bool)
-        self._is_free[0] = False
+        # a byte per page, not a tensor: a release frees a few pages at a time, and torch's
+        # per-op overhead on tiny index tensors was most of a request's release
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._is_free[0] = 0
 
     @property
     def num_free_pages(self) -> int:
@@ -47,16 +49,19 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfSlots(f"need {n} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
-        self._is_free[pages] = False
+        is_free = self._is_free
+        for page in pages:
+            is_free[page] = 0
         return pages
 
     def free_pages(self, pages: list[int]) -> None:
         if not pages:
             return
-        idx = torch.tensor(pages, dtype=torch.long)
-        if bool(self._is_free[idx].any()) or len(set(pages)) != len(pages) or min(pages) <= 0:
+        is_free, num_pages = self._is_free, self.num_pages
+        if len(set(pages)) != len(pages) or any(not 0 < p < num_pages or is_free[p] for p in pages):
             raise RuntimeError(f"double free or invalid page in {pages[:8]}...")
-        self._is_free[idx] = True
+        for page in pages:
+            is_free[page] = 1
         self._free.extend(pages)
 
     def free_slots(self, slots: torch.Tensor) -> None:
@@ -67,9 +72,10 @@ class PageAllocator:
         if ps == 1:
             self.free_pages(slots.tolist())
             return
-        if int(slots[0]) % ps:
+        firsts = slots[::ps].tolist()  # each page's first slot (python ints: cheaper than a tensor op)
+        if firsts[0] % ps:
             raise RuntimeError("free_slots: run does not start on a page boundary")
-        self.free_pages((slots[::ps] // ps).tolist())
+        self.free_pages([slot // ps for slot in firsts])
 
     def slots_for_positions(self, start: int, end: int) -> torch.Tensor:
         """Slots for positions [start, end) of a request, on new whole pages: `start` is
