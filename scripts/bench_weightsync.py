@@ -2,10 +2,13 @@
 -> resume), as GB/s beside the device copy bandwidth measured in the same run.
 
 GPU (default): random bf16 weights shaped like Llama-3.1-8B; (1) in-process from a trainer
-model in the same process, (2) colocated CUDA IPC from a trainer process on the same GPU.
+model in the same process (idle engine, and 32 requests running), (2) colocated CUDA IPC from
+a trainer process on the same GPU: flat zero-copy (the default), flat packed, and with
+--bucketed bucketed. The first update of each row is shown apart (the trainer's clock starts
+once its model is built, so the first update is what an RL run pays on step 1).
 CPU (--cpu): SmolLM2-135M over a gloo broadcast from a trainer process.
 
-    python -m scripts.bench_weightsync [--cpu] [--repeats 3] [--bucket-mb 512]
+    python -m scripts.bench_weightsync [--cpu] [--repeats 3] [--bucket-mb 512] [--bucketed]
 """
 
 from __future__ import annotations
@@ -38,25 +41,76 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 2 * 10 / (time.perf_counter() - start)
 
 
-def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, result_file: str, flat: bool) -> None:
+def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, result_file: str, flat: bool,
+                zero_copy: bool, ready) -> None:
     from weightsync.trainer import iter_hf_weights
     from weightsync.transports.cuda_ipc import CudaIpcSender
 
     model = random_trainer_model(model_dir, "cuda", torch.bfloat16, seed=1)
-    sender = CudaIpcSender(endpoint, bucket_bytes=bucket_bytes, flat=flat)
+    sender = CudaIpcSender(endpoint, bucket_bytes=bucket_bytes, flat=flat, zero_copy=zero_copy)
+    torch.cuda.synchronize()
+    ready.set()  # the engine starts its clock for the first update here, not at our start-up
     times = []
-    for _ in range(repeats + 1):  # the first one pays handle opening and allocator warm-up
+    for _ in range(repeats + 1):  # the first one pays exports, mappings, allocator warm-up
         torch.cuda.synchronize()
         start = time.perf_counter()
         stats = sender.send(iter_hf_weights(model))
         times.append(time.perf_counter() - start)
+    reserved = sender.reserved_bytes
     sender.close()
-    Path(result_file).write_text(json.dumps({"times": times, "bytes": stats.total_bytes, "buckets": stats.num_buckets}))
+    Path(result_file).write_text(json.dumps({"times": times, "bytes": stats.total_bytes, "buffers": stats.num_buckets,
+                                             "reserved": reserved}))
+
+
+def _timed_updates(engine, trainer, repeats: int, running: int) -> list[float]:
+    """In-process full updates from the trainer model (after `running` requests were added
+    and stepped, so pause -> retract -> resume is part of what is timed)."""
+    from rollout import SamplingParams
+    from weightsync.trainer import iter_hf_weights
+
+    prompts = torch.randint(100, 100000, (running, 256)).tolist()
+    times = []
+    for _ in range(repeats + 1):
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
+        for _ in range(3 if running else 0):
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.update_weights(iter_hf_weights(trainer), full=True, pause_mode="retract")
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        while engine.has_unfinished():
+            engine.step()
+    return times
+
+
+def _ipc_row(engine, model_dir: str, args, flat: bool, zero_copy: bool) -> tuple[str, list[float], list[float], dict]:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    result_file = os.path.join(model_dir, f"ipc-{flat}-{zero_copy}.json")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=ipc_trainer, args=(model_dir, endpoint, args.repeats, args.bucket_mb << 20, result_file,
+                                                 flat, zero_copy, ready))
+    proc.start()
+    if not ready.wait(timeout=600):
+        raise RuntimeError("the IPC trainer process did not start")
+    engine_side = []
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        engine.update_weights_from_ipc(endpoint, full=True, timeout_s=600)
+        engine_side.append(time.perf_counter() - start)
+    proc.join(timeout=600)
+    res = json.loads(Path(result_file).read_text())
+    mode = ("flat, zero-copy" if zero_copy else "flat, packed") if flat else f"bucketed, {args.bucket_mb} MB"
+    name = f"CUDA IPC colocated ({mode}: {res['buffers']} buffers, trainer keeps {res['reserved'] / 1e9:.1f} GB)"
+    return name, res["times"], engine_side, res
 
 
 def gpu(args) -> None:
-    from rollout import Engine, EngineConfig, SamplingParams
-    from weightsync.trainer import iter_hf_weights
+    from rollout import Engine, EngineConfig
+    from rollout.bench.steady import PhaseTimer
+    import rollout.engine as engine_module
 
     device = torch.device("cuda")
     model_dir = write_shape_dir("llama8b", prefix="ws-8b-")
@@ -65,56 +119,41 @@ def gpu(args) -> None:
                                  max_total_tokens=65536, page_size=16))
     nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     print(f"engine ready: {nbytes / 1e9:.2f} GB of weights; device copy {bw / 1e9:.0f} GB/s "
-          f"-> copy floor {nbytes * 2 / bw * 1e3:.1f} ms (read + write once)", flush=True)
+          f"-> copy floor {nbytes * 2 / bw * 1e3:.1f} ms (read + write once), "
+          f"+ finiteness read {nbytes / bw * 1e3:.1f} ms", flush=True)
 
     trainer = random_trainer_model(model_dir, "cuda", torch.bfloat16, seed=0)
-    prompts = torch.randint(100, 100000, (32, 256)).tolist()
-    rows = []
-    in_process = []
-    for i in range(args.repeats + 1):
-        # requests in flight, so pause/resume (retract) is part of what is timed
-        for p in prompts:
-            engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.update_weights(iter_hf_weights(trainer), full=True, pause_mode="retract")
-        torch.cuda.synchronize()
-        in_process.append(time.perf_counter() - start)
-        while engine.has_unfinished():
-            engine.step()
-    t = statistics.median(in_process[1:])
-    rows.append(("in-process (retract, 32 running)", t, nbytes / t))
+    rows = []  # (name, [first, steady...] seconds)
+    rows.append(("in-process, idle engine", _timed_updates(engine, trainer, args.repeats, running=0)))
+    rows.append(("in-process, 32 running (retract, resume)", _timed_updates(engine, trainer, args.repeats, running=32)))
+    # where an idle in-process update's time goes: validation (names, shapes, finiteness:
+    # one sync) and the writes (queued copies + the final sync)
+    timer = PhaseTimer()
+    timer.add(engine_module, "plan_writes", "validate")
+    timer.add(engine_module, "apply_writes", "write", after=torch.cuda.synchronize)
+    _timed_updates(engine, trainer, args.repeats, running=0)
+    timer.restore()
+    phases = {k: v / (args.repeats + 1) for k, v in timer.seconds.items()}
     del trainer
     torch.cuda.empty_cache()
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    result_file = os.path.join(model_dir, "ipc.json")
-    ctx = mp.get_context("spawn")
-    flat = args.ipc_mode == "flat"
-    proc = ctx.Process(target=ipc_trainer,
-                       args=(model_dir, endpoint, args.repeats, args.bucket_mb << 20, result_file, flat))
-    proc.start()
-    engine_side = []
-    for _ in range(args.repeats + 1):
-        start = time.perf_counter()
-        engine.update_weights_from_ipc(endpoint, full=True, timeout_s=600)
-        engine_side.append(time.perf_counter() - start)
-    proc.join(timeout=600)
-    res = json.loads(Path(result_file).read_text())
-    t = statistics.median(res["times"][1:])
-    mode = "flat buffer, one handle" if flat else f"{res['buckets']} buckets of {args.bucket_mb} MB"
-    rows.append((f"CUDA IPC colocated ({mode})", t, res["bytes"] / t))
+    ipc = []
+    for flat, zero_copy in [(True, True), (True, False)] + ([(False, False)] if args.bucketed else []):
+        name, trainer_side, engine_side, res = _ipc_row(engine, model_dir, args, flat, zero_copy)
+        rows.append((name, trainer_side))
+        ipc.append((name, engine_side))
 
     print(f"\nLlama-3.1-8B shape, bf16, {nbytes / 1e9:.2f} GB, {torch.cuda.get_device_name()}, "
-          f"device copy {bw / 1e9:.0f} GB/s, median of {args.repeats} after one warm-up")
-    print(f"{'transport':<48} | {'ms':>8} | {'GB/s':>7} | {'of copy bw':>10}")
-    for name, secs, rate in rows:
-        print(f"{name:<48} | {secs * 1e3:>8.1f} | {rate / 1e9:>7.1f} | {rate / bw:>9.1%}")
-    print(f"all times: in-process {[round(x * 1e3, 1) for x in in_process]} ms, "
-          f"ipc trainer-side {[round(x * 1e3, 1) for x in res['times']]} ms, "
-          f"ipc engine-side {[round(x * 1e3, 1) for x in engine_side]} ms")
+          f"device copy {bw / 1e9:.0f} GB/s, median of {args.repeats} after the first; the first timed apart")
+    print(f"{'transport':<76} | {'first ms':>9} | {'ms':>7} | {'GB/s':>6} | {'of copy bw':>10}")
+    for name, times in rows:
+        t = statistics.median(times[1:])
+        print(f"{name:<76} | {times[0] * 1e3:>9.1f} | {t * 1e3:>7.1f} | {nbytes / t / 1e9:>6.0f} | {nbytes / t / bw:>9.1%}")
+    print("idle in-process split: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
+    for name, times in rows:
+        print(f"  {name}: {[round(x * 1e3, 1) for x in times]} ms")
+    for name, times in ipc:
+        print(f"  engine side of {name}: {[round(x * 1e3, 1) for x in times]} ms")
 
 
 def gloo_trainer(model_dir: str, port: int, repeats: int, bucket_bytes: int) -> None:
@@ -166,7 +205,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=512)
-    parser.add_argument("--ipc-mode", choices=["flat", "bucketed"], default="flat")
+    parser.add_argument("--bucketed", action="store_true", help="also time bucketed CUDA IPC (flat=False)")
     args = parser.parse_args()
     cpu(args) if args.cpu else gpu(args)
 

@@ -76,7 +76,7 @@ def test_flat_round_trips_reuse_buffer_and_mapping(cpu_ipc):
     fake = cpu_ipc
     endpoint = _endpoint()
     receiver = CudaIpcReceiver(endpoint, timeout_s=10)
-    sender = CudaIpcSender(endpoint, timeout_s=10)  # flat is the default
+    sender = CudaIpcSender(endpoint, timeout_s=10, zero_copy=False)  # flat is the default; every tensor packed
     engine = FakeEngine()
     # A trainer updates its parameters in place between sends.
     params = _model(0)
@@ -116,11 +116,55 @@ def test_flat_round_trips_reuse_buffer_and_mapping(cpu_ipc):
     fake.assert_balanced()
 
 
+def test_zero_copy_exports_parameters_where_they_lie(cpu_ipc):
+    """Flat mode's default: contiguous tensors are exported in place, once, and read again in
+    place on later sends (the trainer writes them in place); a strided view goes into the
+    pack; a tensor the stream makes afresh each send is noticed at its new address and packed
+    from the next send on, after which nothing is exported again."""
+    fake = cpu_ipc
+    endpoint = _endpoint()
+    receiver = CudaIpcReceiver(endpoint, timeout_s=10)
+    sender = CudaIpcSender(endpoint, timeout_s=10)
+    engine = FakeEngine()
+    params = _model(0)
+    matrix = torch.randn(8, 16)
+
+    def stream(step: int):
+        # parameters, a transposed view (strided), and a cast made afresh each call
+        return params + [("proj.weight", matrix.t()), ("cast.weight", params[0][1].to(torch.bfloat16))]
+
+    try:
+        counts = []
+        for step in range(5):
+            with torch.no_grad():
+                for (_, param), (_, value) in zip(params, _model(step)):
+                    param.copy_(value)
+                matrix.mul_(2.0)
+            weights = stream(step)
+            thread, outcomes = _serving(receiver, engine)
+            stats = sender.send(weights)
+            thread.join()
+            assert outcomes == [step + 1]
+            # in-place tensors come first, then the packed ones (update_weights takes any order)
+            assert_same_tensors(sorted(engine.last, key=lambda item: item[0]), sorted(weights, key=lambda item: item[0]))
+            counts.append((stats.num_buckets, len(fake.exported), sender.reserved_bytes > 0))
+        n = len(params)
+        # send 1: n params + the cast in place, the view packed; send 2: the cast moved, so
+        # everything is exported again (the cast still in place this once); send 3 on: the
+        # cast is packed beside the view, exported once more, then never again
+        assert counts == [(n + 2, n + 2, True), (n + 2, 2 * (n + 2), True)] + [(n + 1, 3 * (n + 2) - 1, True)] * 3
+        assert len(set(fake.outstanding())) == n + 1  # the engine maps only the current layout
+    finally:
+        sender.close()
+        receiver.close()
+    fake.assert_balanced()
+
+
 def test_flat_layout_change_reallocates(cpu_ipc):
     fake = cpu_ipc
     endpoint = _endpoint()
     receiver = CudaIpcReceiver(endpoint, timeout_s=10)
-    sender = CudaIpcSender(endpoint, timeout_s=10, max_buffer_bytes=1024)
+    sender = CudaIpcSender(endpoint, timeout_s=10, max_buffer_bytes=1024, zero_copy=False)
     engine = FakeEngine()
     reshaped = [(n, t.reshape(8, 16)) if n == "layers.2.weight" else (n, t) for n, t in _model(1)]
     extended = reshaped + [("lm_head.weight", torch.randn(40, 8))]  # 1280 bytes: a buffer of its own
@@ -146,7 +190,7 @@ def test_flat_engine_rejection_propagates(cpu_ipc, monkeypatch):
     fake = cpu_ipc
     endpoint = _endpoint()
     receiver = CudaIpcReceiver(endpoint, timeout_s=10)
-    sender = CudaIpcSender(endpoint, timeout_s=10)
+    sender = CudaIpcSender(endpoint, timeout_s=10, zero_copy=False)
     weights = _model(0)
     try:
         thread, outcomes = _serving(receiver, FakeEngine(fail_after=2))
@@ -191,7 +235,7 @@ def test_trainer_buffer_untouched_while_engine_reads(cpu_ipc):
     fake = cpu_ipc
     endpoint = _endpoint()
     receiver = CudaIpcReceiver(endpoint, timeout_s=10)
-    sender = CudaIpcSender(endpoint, timeout_s=10)
+    sender = CudaIpcSender(endpoint, timeout_s=10, zero_copy=False)
     seen: list = []
 
     def slow_apply(stream):
@@ -242,7 +286,7 @@ def test_switching_to_buckets_unmaps_flat_buffers(cpu_ipc):
     fake = cpu_ipc
     endpoint = _endpoint()
     receiver = CudaIpcReceiver(endpoint, timeout_s=10)
-    flat = CudaIpcSender(endpoint, timeout_s=10)
+    flat = CudaIpcSender(endpoint, timeout_s=10, zero_copy=False)
     bucketed = CudaIpcSender(endpoint, flat=False, bucket_bytes=1024, timeout_s=10)
     engine = FakeEngine()
     try:
@@ -303,10 +347,12 @@ def test_receiver_socket_outlives_receiver(cpu_ipc):
         sender.close()
 
 
-def test_engine_updates_from_flat_ipc(cpu_ipc, llama):
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["packed", "zero-copy"])
+def test_engine_updates_from_flat_ipc(cpu_ipc, llama, zero_copy):
     """The real engine path (a new receiver per update, validate everything, then copy into
-    the parameters) reading the trainer's flat buffer in place; greedy output follows the
-    trainer's weights, and a bad update is refused whole and reported to the trainer."""
+    the parameters) reading the trainer's flat buffer, or its parameters themselves, in
+    place; greedy output follows the trainer's weights, and a bad update is refused whole
+    and reported to the trainer."""
     import copy
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -317,7 +363,8 @@ def test_engine_updates_from_flat_ipc(cpu_ipc, llama):
     engine = Engine(EngineConfig(model=llama.path))
     trainer = copy.deepcopy(llama.hf)
     endpoint = _endpoint()
-    sender = CudaIpcSender(endpoint, timeout_s=30)
+    sender = CudaIpcSender(endpoint, timeout_s=30, zero_copy=zero_copy)
+    num_tensors = len(list(iter_hf_weights(trainer)))
 
     def hf_greedy(prompt):
         with torch.no_grad():
@@ -352,7 +399,12 @@ def test_engine_updates_from_flat_ipc(cpu_ipc, llama):
                     if "norm" not in name:
                         parameter.mul_(scale)
             stats, applied = push(iter_hf_weights(trainer))
-            assert applied == stats.engine_version == version and stats.num_buckets == 1
+            assert applied == stats.engine_version == version
+            # packed: one buffer; zero-copy: each parameter is its own buffer, exported once
+            # and read in place on the next step too (the trainer wrote it in place)
+            assert stats.num_buckets == (num_tensors if zero_copy else 1)
+            assert len(cpu_ipc.exported) == stats.num_buckets
+            assert (sender.reserved_bytes == 0) == zero_copy
             outputs = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
             assert outputs == [hf_greedy(prompt) for prompt in prompts]
         assert outputs != before
@@ -365,7 +417,14 @@ def test_engine_updates_from_flat_ipc(cpu_ipc, llama):
         assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=greedy)] == outputs
         stats, applied = push(iter_hf_weights(trainer))
         assert applied == stats.engine_version == 3
-        assert len(cpu_ipc.exported) == 2 and cpu_ipc.imported == [0, 1]  # exported anew after the refusal
+        assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=greedy)] == outputs
+        if not zero_copy:
+            assert len(cpu_ipc.exported) == 2 and cpu_ipc.imported == [0, 1]  # exported anew after the refusal
+        else:
+            # the refused update's norms came at new addresses (clones): from then on they
+            # are packed (one buffer), the rest still go out where they lie
+            norms = sum(name.endswith("norm.weight") for name, _ in iter_hf_weights(trainer))
+            assert stats.num_buckets == num_tensors - norms + 1 and sender.reserved_bytes > 0
     finally:
         sender.close()
     cpu_ipc.assert_balanced()

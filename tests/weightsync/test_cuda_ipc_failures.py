@@ -79,11 +79,12 @@ def test_no_engine_times_out(cpu_ipc, flat):
     fake.assert_balanced()
 
 
-def test_stuck_engine_times_out(cpu_ipc):
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["packed", "zero-copy"])
+def test_stuck_engine_times_out(cpu_ipc, zero_copy):
     fake = cpu_ipc
     endpoint = _endpoint()
     receiver = CudaIpcReceiver(endpoint, timeout_s=10)
-    sender = CudaIpcSender(endpoint, timeout_s=0.3)
+    sender = CudaIpcSender(endpoint, timeout_s=0.3, zero_copy=zero_copy)
     release = threading.Event()
     outcomes: list = []
 
@@ -95,9 +96,11 @@ def test_stuck_engine_times_out(cpu_ipc):
     thread = threading.Thread(target=lambda: outcomes.append(receiver.serve_once(stuck)))
     thread.start()
     try:
-        with pytest.raises(WeightSyncError, match="did not answer the weight update within 0.3s"):
+        with pytest.raises(WeightSyncError, match="did not answer the weight update within 0.3s") as error:
             sender.send(_model(0))
         assert sender.reserved_bytes == 0  # the engine may still read it: dropped, never reused
+        # tensors sent in place cannot be dropped: the trainer is told not to write them yet
+        assert ("may still be reading the 8 tensors sent in place" in str(error.value)) == zero_copy
     finally:
         release.set()
         thread.join()

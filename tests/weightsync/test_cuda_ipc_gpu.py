@@ -56,7 +56,8 @@ def _engine_main(endpoint: str, out_dir: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device (untestable on CPU)")
-def test_cuda_ipc_between_processes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["packed", "zero-copy"])
+def test_cuda_ipc_between_processes(tmp_path, monkeypatch, zero_copy):
     from _weightsync_helpers import tiny_llama
 
     from weightsync.transports import iter_safetensors_dir
@@ -87,19 +88,22 @@ def test_cuda_ipc_between_processes(tmp_path, monkeypatch):
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     expected = {}
-    sender = CudaIpcSender(endpoint, timeout_s=60)  # flat
+    # packed: one buffer (one handle) for the update; zero-copy: each tensor is exported where
+    # it lies, the trainer keeps no buffer, and in-place steps are read in place again
+    per_update = len(weights()) if zero_copy else 1
+    sender = CudaIpcSender(endpoint, timeout_s=60, zero_copy=zero_copy)  # flat
     try:
         stats = sender.send(weights())
-        assert stats.engine_version == 1 and stats.num_buckets == 1 and len(exports) == 1
-        assert sender.reserved_bytes >= stats.total_bytes
+        assert stats.engine_version == 1 and stats.num_buckets == per_update and len(exports) == per_update
+        assert sender.reserved_bytes == 0 if zero_copy else sender.reserved_bytes >= stats.total_bytes
         expected[0] = snapshot()
-        step(lambda p: p.add_(1))  # same layout, new values: same buffer, same handle
-        assert sender.send(weights()).engine_version == 2 and len(exports) == 1
+        step(lambda p: p.add_(1))  # same layout, new values: same buffers, same handles
+        assert sender.send(weights()).engine_version == 2 and len(exports) == per_update
         expected[1] = snapshot()
         with pytest.raises(WeightSyncError, match="rejected the weight update: ValueError: fake engine rejects"):
             sender.send(weights())
-        step(lambda p: p.mul_(0.5))  # after an error the handle is exported anew
-        assert sender.send(weights()).engine_version == 3 and len(exports) == 2
+        step(lambda p: p.mul_(0.5))  # after an error the handles are exported anew
+        assert sender.send(weights()).engine_version == 3 and len(exports) == 2 * per_update
         expected[3] = snapshot()
         sender.close()
         bucketed = CudaIpcSender(endpoint, flat=False, bucket_bytes=4096, timeout_s=60)  # the 8 KiB embedding is oversized
@@ -110,7 +114,7 @@ def test_cuda_ipc_between_processes(tmp_path, monkeypatch):
         # The bucketed update made the engine unmap the closed flat sender's buffer: freed.
         torch.cuda.ipc_collect()
         assert torch.cuda.memory_allocated() == baseline
-        again = CudaIpcSender(endpoint, timeout_s=60)
+        again = CudaIpcSender(endpoint, timeout_s=60, zero_copy=zero_copy)
         step(lambda p: p.sub_(2))
         assert again.send(weights()).engine_version == 5
         expected[5] = snapshot()
@@ -126,8 +130,8 @@ def test_cuda_ipc_between_processes(tmp_path, monkeypatch):
     assert [result.get("version") for result in results] == [1, 2, None, 3, 4, 5]
     assert "fake engine rejects" in results[2]["error"]
     # Mapped once, reused by update 1 and the rejected 2, mapped anew for 3 (new export).
-    assert [result["imports"] for result in results[:4]] == [1, 1, 1, 2]
-    assert results[5]["imports"] == results[4]["imports"] + 1
+    assert [result["imports"] for result in results[:4]] == [per_update, per_update, per_update, 2 * per_update]
+    assert results[5]["imports"] == results[4]["imports"] + per_update
     # Flat: the engine stages nothing; bucketed: it copies the whole update.
     assert results[0]["staged"] == results[1]["staged"] == results[5]["staged"] == 0
     assert results[4]["staged"] >= stats.total_bytes

@@ -3,15 +3,17 @@
 Two modes, picked by the trainer (`CudaIpcSender(flat=...)`); the engine's receiver serves
 both.
 
-Flat (the default): one round trip per update, no copy on the engine side. The trainer
-packs every tensor into one persistent buffer (a few with `max_buffer_bytes`; see
-flat_buffer.py) that it keeps across sends, exports its CUDA IPC handle once, and sends one
-request: all the headers plus the handle(s). The engine maps the buffer once (the mapping
-is cached per endpoint, keyed by the handle, across updates and receivers) and hands
-`apply` views straight into it. The buffer must stay as it is while the engine reads it:
-the trainer does not touch it until the engine answers, and the engine answers only after
-`apply` has returned and its device is synchronized. Cost: one model-size buffer on the
-trainer, kept between steps.
+Flat (the default): one round trip per update, no copy on the engine side. Zero-copy (the
+default): each contiguous tensor on the trainer's GPU (its parameters) is exported where it
+lies, once, and read in place on every send while it stays at that address; the rest (and
+with `zero_copy=False` everything) is packed into one persistent buffer (a few with
+`max_buffer_bytes`; see flat_buffer.py) that the trainer keeps across sends and exports once.
+One request carries all the headers plus the handles. The engine maps each handle once (the
+mapping is cached per endpoint, keyed by the handle, across updates and receivers) and hands
+`apply` views straight into the trainer's memory. That memory must stay as it is while the
+engine reads it: the trainer does not touch it until the engine answers, and the engine
+answers only after `apply` has returned and its device is synchronized. Cost: no trainer
+memory for what goes out in place; one buffer for what is packed, kept between steps.
 
 Bucketed (`flat=False`): for trainers that cannot afford that buffer. Per bucket, the
 trainer packs the bytes into one of two reusable GPU buffers, sends a handle for it, and

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
 import torch
 import zmq
 
-from weightsync.bucket import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
+from weightsync.bucket import DEFAULT_BUCKET_BYTES, BucketEntry, BucketMeta, _check_named_tensor, pack_bucket, plan_buckets
+from weightsync.dtypes import dtype_to_name
 from weightsync.transports import cuda_ipc_handles as ipc
 from weightsync.transports.base import SendStats, StreamCounter, WeightSyncError
 from weightsync.transports.flat_buffer import FlatPack, pack_flat
@@ -16,6 +18,7 @@ from weightsync.transports.ipc_wire import (
     BucketRequest,
     CudaIpcHandle,
     EndRequest,
+    FlatBufferHeaders,
     FlatRequest,
     Reply,
     check_loopback_endpoint,
@@ -32,9 +35,14 @@ RECONNECT_IVL_MS = 10
 class CudaIpcSender:
     """Trainer side. One `send()` per weight update.
 
-    flat=True (default): every tensor is packed into one buffer (or several of at most
-    `max_buffer_bytes`, default no limit) kept across sends, one round trip per update.
-    The buffer costs one model-size copy on this GPU for as long as the sender lives.
+    flat=True (default): one round trip per update. With zero_copy=True (default), every
+    contiguous tensor of the stream on this GPU is exported where it lies (the model's own
+    parameters: no copy and no memory of ours); the rest (another device, strided views, and
+    tensors found at a new address on a later send: a stream that materializes them, e.g. a
+    dtype cast or FSDP gathers) are packed into one buffer (or several of at most
+    `max_buffer_bytes`, default no limit) kept across sends. zero_copy=False packs every
+    tensor: one model-size buffer on this GPU for as long as the sender lives, but the
+    engine never maps the model's own memory.
     flat=False: buckets of `bucket_bytes` through two alternating buffers that live only
     during a send; one round trip per bucket, and the engine stages the whole update.
     """
@@ -48,6 +56,7 @@ class CudaIpcSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 300.0,
         device: torch.device | str | None = None,
+        zero_copy: bool = True,
     ) -> None:
         if max_buffer_bytes is not None and (
             isinstance(max_buffer_bytes, bool) or not isinstance(max_buffer_bytes, int) or max_buffer_bytes <= 0
@@ -55,6 +64,7 @@ class CudaIpcSender:
             raise ValueError(f"max_buffer_bytes must be a positive int or None, got {max_buffer_bytes!r}")
         self.endpoint = check_loopback_endpoint(endpoint)
         self.flat = bool(flat)
+        self.zero_copy = bool(zero_copy)
         self.max_buffer_bytes = max_buffer_bytes
         self.bucket_bytes = bucket_bytes  # bucketed mode only
         self.timeout_s = timeout_s
@@ -66,6 +76,11 @@ class CudaIpcSender:
         self._pack: FlatPack | None = None
         self._handles: list[CudaIpcHandle] | None = None
         self._body: bytes | None = None
+        self._headers: FlatBufferHeaders = ()
+        # Zero-copy: the tensors exported in place last time, as (name, dtype, shape, address)
+        # (the same again: the same handles), and names seen to move between sends (packed).
+        self._in_place: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...] = ()
+        self._moving: set[str] = set()
 
     @property
     def reserved_bytes(self) -> int:
@@ -92,26 +107,44 @@ class CudaIpcSender:
         device = ipc.resolve_cuda_device(self._device)
         counter = StreamCounter()
         self._connected()  # connects in the background while we pack
+        in_place: list[tuple[str, torch.Tensor]] = []
+
+        def to_pack():  # the stream minus what goes out where it lies
+            for name, tensor in counter.wrap(named_tensors):
+                _check_named_tensor(name, tensor)
+                if self.zero_copy and name not in self._moving and _exportable_in_place(tensor, device):
+                    in_place.append((name, tensor))
+                else:
+                    yield name, tensor
+
         # No request is outstanding, so the engine is not reading the pack: ours to write.
-        pack = pack_flat(counter.wrap(named_tensors), self._pack, device=device, max_buffer_bytes=self.max_buffer_bytes)
-        if pack is not self._pack:
+        pack = pack_flat(to_pack(), self._pack, device=device, max_buffer_bytes=self.max_buffer_bytes)
+        signature = tuple((name, t.dtype, tuple(t.shape), t.data_ptr()) for name, t in in_place)
+        if pack is not self._pack or signature != self._in_place:
             # New layout: new buffers, new handles. The old buffers go back to torch, which
             # keeps them reserved while the engine still maps them (it unmaps them when it
-            # sees the new handles).
+            # sees the new handles). A tensor at a new address is one the stream makes
+            # afresh each send: from now on it is packed, or every send would map new memory.
+            before = {name: address for name, _, _, address in self._in_place}
+            self._moving |= {name for name, _, _, address in signature if before.get(name, address) != address}
             self._drop_pack()
-            self._pack = pack
-        # The engine is another process: nothing orders its reads after our copies, which
-        # are only queued on our stream. They must have landed before the handle goes out
-        # (torch's IPC event covers a buffer's first export only, at the engine's first
-        # mapping; later sends reuse both).
+            self._pack, self._in_place = pack, signature
+        # The engine is another process: nothing orders its reads after our copies (or the
+        # optimizer's writes), which are only queued on our stream. They must have landed
+        # before the handle goes out (torch's IPC event covers a buffer's first export only,
+        # at the engine's first mapping; later sends reuse both).
         ipc.synchronize(device)
         fresh = self._handles is None
         if fresh:
-            self._handles = _export_all(pack.exported_views())
+            self._handles = _export_all([_as_bytes(t) for _, t in in_place] + pack.exported_views())
             self._body = None
-        headers = tuple(zip(pack.metas, self._handles))
         if self._body is None:
-            self._body = encode_flat_buffers(headers)
+            metas = _in_place_metas(in_place, len(pack.metas)) + [
+                dataclasses.replace(meta, index=meta.index + len(in_place)) for meta in pack.metas
+            ]
+            self._headers = tuple(zip(metas, self._handles))
+            self._body = encode_flat_buffers(self._headers)
+        headers = self._headers
         request = FlatRequest(headers, expires_at=time.time() + self.timeout_s, body=self._body)
         try:
             self._send_request(request, "the weight update")
@@ -126,9 +159,18 @@ class CudaIpcSender:
             raise
         try:
             reply = self._receive_reply("the weight update")
-        except BaseException:
+        except WeightSyncError as error:
             # No answer: the engine may still be reading the buffers. Never write them
-            # again; torch keeps them reserved until the engine unmaps them.
+            # again; torch keeps them reserved until the engine unmaps them. Tensors sent in
+            # place cannot be abandoned: the trainer must know not to write them yet.
+            self._abandon_pack()
+            if in_place:
+                raise WeightSyncError(
+                    f"{error}; it may still be reading the {len(in_place)} tensors sent in place (zero_copy): "
+                    "do not modify them until the engine answers a later update or is gone"
+                ) from None
+            raise
+        except BaseException:
             self._abandon_pack()
             raise
         # Frees earlier buffers the engine has now unmapped (after a layout change).
@@ -140,11 +182,12 @@ class CudaIpcSender:
             # for the new handles. That keeps every reference counted exactly once.
             self._handles = self._body = None
             raise WeightSyncError(f"engine at {self.endpoint} rejected the weight update: {reply.error}")
-        return counter.stats(len(pack.metas), engine_version=reply.version)
+        return counter.stats(len(headers), engine_version=reply.version)
 
     def _drop_pack(self) -> None:
         self._pack = None
         self._handles = self._body = None
+        self._in_place = ()
 
     def _abandon_pack(self) -> None:
         """The engine may hold the pack: drop it, and the REQ socket (mid-exchange)."""
@@ -262,6 +305,24 @@ class CudaIpcSender:
 
 class _NotDelivered(WeightSyncError):
     """A request that was never queued: no engine saw it."""
+
+
+def _exportable_in_place(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device == device and tensor.is_contiguous() and tensor.numel() > 0
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _in_place_metas(in_place: list[tuple[str, torch.Tensor]], packed_buffers: int) -> list[BucketMeta]:
+    """A one-entry header per tensor exported where it lies (it is its own buffer)."""
+    last = len(in_place) - 1
+    return [
+        BucketMeta(index, (BucketEntry(name, dtype_to_name(t.dtype), tuple(t.shape), 0, t.numel() * t.element_size()),),
+                   t.numel() * t.element_size(), is_last=index == last and not packed_buffers)
+        for index, (name, t) in enumerate(in_place)
+    ]
 
 
 def _export_all(views: list[torch.Tensor]) -> list[CudaIpcHandle]:
