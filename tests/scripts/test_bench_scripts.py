@@ -36,6 +36,20 @@ def test_profile_step_smoke_on_cpu(tmp_path) -> None:
     assert "ms per decode step" in text and trace.stat().st_size > 0
 
 
+def test_profile_run_smoke_on_cpu() -> None:
+    text = _run("scripts.profile_run", "--shape", "tiny", "--device", "cpu", "--batch", "4", "--input-len", "8",
+                "--output-len", "12")
+    assert "median decode step" in text and "steps    0-  31: median" in text
+
+
+def test_profile_run_summarizes_kernels_by_kind() -> None:
+    from scripts.profile_run import busy_time, kind_of
+
+    assert busy_time([(0, 4), (2, 6), (10, 11)]) == 7  # overlapping spans count once
+    assert [kind_of(n) for n in ("nvjet_sm90_tst_256x128", "void flashinfer::BatchPrefillWithPagedKVCacheKernel",
+                                 "_rms_norm_kernel", "Memcpy HtoD")] == ["gemm", "attention", "other", "copy"]
+
+
 def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
     text = _run("scripts.bench_lora", "--device", "cpu", "--shape", "tiny")
     for row in ("a [no LoRA] base requests", "a [LoRA on] 8 adapters, uniform", "b [LoRA on] 1 adapter",
