@@ -48,6 +48,8 @@ def test_alone_equals_every_mix(llama: TinyModel, cases, params) -> None:
         outs = _run(llama, mix["prompts"], params, **mix["config"])
         got = [outs[mix["prompts"].index(p)] for p in probe]
         assert got == alone, name
+    # a request on its own: every step a batch of one row (check_deterministic's "alone")
+    assert [_run(llama, [p], params)[0] for p in probe] == alone, "one request at a time"
 
 
 def test_prefix_cache_hits_change_nothing(llama: TinyModel, cases) -> None:

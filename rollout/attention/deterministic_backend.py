@@ -99,8 +99,11 @@ class DeterministicAttention(AttentionBackend):
             gather = (self.row_starts[:, None] + offsets[None, :]).clamp(max=last)
             # invalid positions read slot 0 (the reserved padding page: zeros) and are masked
             slots = torch.where(valid, batch.kv_indices[gather], 0).reshape(-1)
-            keys = k_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().permute(0, 2, 3, 1)  # [T, Hkv, D, TILE]
-            scores = torch.matmul(qg, keys) * self.scale  # [T, Hkv, G, TILE]
+            # Every operand a contiguous [rows, cols] matrix per (row, KV head), the same for any T:
+            # MKL's batched GEMM took another path for a permuted B once T > 1 (measured: a decode
+            # row alone and next to one other differed in the last bit, 4 heads / 2 KV heads / d 16).
+            keys = k_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().transpose(1, 2).contiguous()
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [T, Hkv, G, TILE]
             scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
             tiles.append((scores, slots))
         row_max = tiles[0][0].amax(-1)
@@ -110,7 +113,7 @@ class DeterministicAttention(AttentionBackend):
         acc = torch.zeros(t, hkv, group, d, dtype=torch.float32, device=q.device)
         for scores, slots in tiles:
             probs = torch.exp(scores - row_max[..., None])  # [T, Hkv, G, TILE]: 0 where masked
-            values = v_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().transpose(1, 2)  # [T, Hkv, TILE, D]
+            values = v_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().transpose(1, 2).contiguous()  # [T, Hkv, TILE, D]
             total = total + probs.sum(-1)
             acc = acc + torch.matmul(probs, values)
         out.copy_((acc / total[..., None]).view(t, self.num_heads, d))
