@@ -55,9 +55,12 @@ def test_rms_norm_one_row_per_program_is_batch_invariant() -> None:
 @pytest.mark.skipif(DEVICE != "cuda", reason="a property of the GPU's MMA instructions (the interpreter's numpy dot is not them)")
 def test_every_tile_config_gives_the_same_bits(monkeypatch) -> None:
     """The row count picks the tiles (batch_invariant.config_for): safe only because every
-    config with the same BLOCK_K reduces each output in the same order, bit for bit."""
+    config with the same BLOCK_K reduces each output in the same order, bit for bit: the
+    16- and 32-row tiles (mma.sync) as the 64- and 128-row ones (Hopper's wgmma), narrow
+    tiles along N as wide ones, 8 pipeline stages as 3."""
     g = torch.Generator(device=DEVICE).manual_seed(3)
-    configs = [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (32, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3)]
+    configs = [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (32, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3),
+               (16, 16, 64, 4, 8), (16, 32, 64, 4, 6), (16, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
     for k, n in ((4096, 6144), (14336, 4096), (4096, 20000)):
         weight = (torch.randn(n, k, generator=g, device=DEVICE) * 0.02).bfloat16()
         x = torch.randn(300, k, generator=g, device=DEVICE).bfloat16()
@@ -65,8 +68,8 @@ def test_every_tile_config_gives_the_same_bits(monkeypatch) -> None:
         for c in configs:
             monkeypatch.setattr(batch_invariant, "config", batch_invariant.TileConfig(*c))
             outs.append(batch_invariant.linear(x, weight))
-        assert all(torch.equal(o, outs[0]) for o in outs), (k, n)
-    monkeypatch.setattr(batch_invariant, "config", None)
-    full = batch_invariant.linear(x, weight)  # 300 rows: the large tiles; 1 and 64 rows: the small ones
-    for m in (1, 64, 65):
-        assert torch.equal(batch_invariant.linear(x[:m], weight), full[:m])
+        assert all(torch.equal(o, outs[0]) for o in outs), (k, n, [torch.equal(o, outs[0]) for o in outs])
+        monkeypatch.setattr(batch_invariant, "config", None)
+        full = batch_invariant.linear(x, weight)  # 300 rows: 64- or 128-row tiles; up to 16 rows: 16-row ones
+        for m in (1, 3, 16, 17, 64, 65):
+            assert torch.equal(batch_invariant.linear(x[:m], weight), full[:m]), (k, n, m)
