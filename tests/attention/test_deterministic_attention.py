@@ -19,12 +19,17 @@ from rollout.attention import deterministic_backend
 from rollout.attention.row_blocks import decode_table, heads_per_kv, plan_row_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cuda":  # (heads, kv heads, head dim, tile, dtype, request length)
-    SHAPE = (32, 8, 128, 64, torch.bfloat16, 700)
+if DEVICE == "cuda":  # (heads, kv heads, head dim, tile, dtype, request length): Llama-3.1-8B, SmolLM2
+    SHAPES = [(32, 8, 128, 64, torch.bfloat16, 700), (9, 3, 64, 64, torch.bfloat16, 300)]
 else:
-    SHAPE = (4, 2, 16, 16, torch.float32, 45)
-# the most tokens the engine puts in one program (64 MMA rows): 16 on the GPU shape, 32 here
-CAP = deterministic_backend.BLOCK_ROWS // heads_per_kv(SHAPE[0], SHAPE[1])
+    SHAPES = [(4, 2, 16, 16, torch.float32, 45), (9, 3, 16, 16, torch.float32, 37)]
+SHAPE = SHAPES[0]
+
+
+def _cap(shape) -> int:
+    """The most tokens the engine puts in one program (64 MMA rows): 16 tokens of 4 heads
+    (a group of 3 padded to 4), 32 of 2."""
+    return deterministic_backend.BLOCK_ROWS // heads_per_kv(shape[0], shape[1])
 
 
 def test_the_plan_covers_every_row_once() -> None:
@@ -85,9 +90,9 @@ def mma_dot(monkeypatch):
     use_mma_dot(monkeypatch)
 
 
-@pytest.fixture(scope="module")
-def request_kv():
-    heads, kv_heads, dim, tile, dtype, length = SHAPE
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}/{s[1]}heads-d{s[2]}")
+def request_kv(request):
+    heads, kv_heads, dim, tile, dtype, length = request.param
     g = torch.Generator().manual_seed(0)
     slots = 2 * length + 50
     k_buf = torch.randn(slots, kv_heads, dim, generator=g).to(DEVICE, dtype)
@@ -96,14 +101,14 @@ def request_kv():
     q = torch.randn(length, heads, dim, generator=g).to(DEVICE, dtype)  # the query of each position
     others = [((torch.randperm(slots - 1, generator=g)[:n] + 1).to(DEVICE),
                torch.randn(e, heads, dim, generator=g).to(DEVICE, dtype)) for n, e in ((length // 3, 1), (50, 9), (17, 17))]
-    return k_buf, v_buf, kv, q, others, tile
+    return k_buf, v_buf, kv, q, others, tile, _cap(request.param)
 
 
 def test_rows_match_the_reference(request_kv) -> None:
-    k_buf, v_buf, kv, q, others, tile = request_kv
+    k_buf, v_buf, kv, q, others, tile, cap = request_kv
     prefix = len(kv) - 20  # a chunk of 20 new tokens after a cached prefix, among decodes and prompts
     entries = others[:2] + [(kv, q[prefix:])] + others[2:]
-    out = _attend(q, k_buf, v_buf, entries, CAP, tile)
+    out = _attend(q, k_buf, v_buf, entries, cap, tile)
     at = 0
     tol = 1e-5 if q.dtype == torch.float32 else 2e-2
     for slots, rows in entries:
@@ -117,11 +122,11 @@ def test_a_token_is_the_same_in_every_block_and_split(request_kv) -> None:
     """Every position of one request computed: as one chunk in blocks of 2, 4, 8, ... up to
     the engine's 64 MMA rows, chunked after cached prefixes at different splits, each token as
     a decode over its own prefix, and among other requests: all bitwise equal."""
-    k_buf, v_buf, kv, q, others, tile = request_kv
+    k_buf, v_buf, kv, q, others, tile, cap = request_kv
     n = len(kv)
     whole = [(kv, q)]
     reference = _attend(q, k_buf, v_buf, whole, 1, tile)  # blocks of one: the decode launch
-    sizes = [t for t in (2, 4, 8, 16, 32) if t <= CAP]
+    sizes = [t for t in (2, 4, 8, 16, 32) if t <= cap]
     variants = {f"one chunk, blocks of {t}": _attend(q, k_buf, v_buf, whole, t, tile) for t in sizes}
 
     def chunked(splits, max_tokens):
@@ -129,11 +134,11 @@ def test_a_token_is_the_same_in_every_block_and_split(request_kv) -> None:
         entries = [(kv[:b], q[a:b]) for a, b in zip(bounds, bounds[1:])]  # each chunk: the prefix is cached
         return _attend(q, k_buf, v_buf, entries, max_tokens, tile)
 
-    variants["chunks at 1, n/3, n-5"] = chunked([1, n // 3, n - 5], CAP)
+    variants["chunks at 1, n/3, n-5"] = chunked([1, n // 3, n - 5], cap)
     variants["chunks of tile +/- 1"] = chunked(list(range(tile - 1, n, tile + 1)), 16)
-    variants["every token a decode"] = torch.cat([_attend(q, k_buf, v_buf, [(kv[: j + 1], q[j : j + 1])], CAP, tile)
+    variants["every token a decode"] = torch.cat([_attend(q, k_buf, v_buf, [(kv[: j + 1], q[j : j + 1])], cap, tile)
                                                   for j in range(0, n, max(1, n // 40))])
-    batched = _attend(q, k_buf, v_buf, others[:2] + whole + others[2:], CAP, tile)
+    batched = _attend(q, k_buf, v_buf, others[:2] + whole + others[2:], cap, tile)
     start = sum(len(r) for _, r in others[:2])
     variants["among other requests"] = batched[start : start + n]
     for name, got in variants.items():
