@@ -48,6 +48,8 @@ def test_alone_equals_every_mix(llama: TinyModel, cases, params) -> None:
         outs = _run(llama, mix["prompts"], params, **mix["config"])
         got = [outs[mix["prompts"].index(p)] for p in probe]
         assert got == alone, name
+    # a request on its own: every step a batch of one row (check_deterministic's "alone")
+    assert [_run(llama, [p], params)[0] for p in probe] == alone, "one request at a time"
 
 
 def test_prefix_cache_hits_change_nothing(llama: TinyModel, cases) -> None:
@@ -109,23 +111,69 @@ def test_blocked_linear_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_the_gpu_kernels_under_the_interpreter(llama: TinyModel, monkeypatch) -> None:
-    """The CUDA path (Triton matmul, per-row attention kernel, fused norms at one row per
-    program) run through the engine on CPU under TRITON_INTERPRET=1: batch-invariant too."""
+    """The CUDA path (Triton matmul, the attention kernel in blocks of a request's tokens,
+    fused norms at one row per program) run through the engine on CPU under
+    TRITON_INTERPRET=1, its tl.dot reducing like an MMA (tests/mma_dot.py): alone, among
+    others in chunks of 8 (blocks of 8 tokens, 16 MMA rows), a prompt in one chunk (one block
+    of 32 tokens, 64 rows), and a prefix from the radix tree (decode-computed KV included)
+    against a fresh engine: all bitwise the same, and greedy equals transformers."""
     pytest.importorskip("triton", reason="triton is not installed")
+    from mma_dot import use_mma_dot
     from rollout import kernels
     from rollout.attention import deterministic_backend
 
     monkeypatch.setattr(batch_invariant, "use_triton", True)
     monkeypatch.setattr(deterministic_backend, "use_triton", True)
     monkeypatch.setattr(kernels, "enabled", True)
-    probe = make_prompts(llama.vocab_size, [11], seed=5)
-    others = make_prompts(llama.vocab_size, [4, 19], seed=6)
+    use_mma_dot(monkeypatch)
+    probe = make_prompts(llama.vocab_size, [19], seed=5)
+    others = make_prompts(llama.vocab_size, [4, 11], seed=6)
     params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=2, ignore_eos=True)
     alone = _run(llama, probe, params)
-    mixed = _run(llama, others + probe, params, max_prefill_tokens=8)[2:]
-    assert mixed == alone
+    assert _run(llama, others + probe, params, max_prefill_tokens=8)[2:] == alone
     greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
-    assert [t for t, _ in _run(llama, probe, greedy)] == [llama.greedy(probe[0], 4)]
+    engine = Engine(EngineConfig(model=llama.path, deterministic=True))
+    first = engine.generate(input_ids=probe, sampling_params=greedy)[0]
+    assert first.token_ids == llama.greedy(probe[0], 4)
+    follow_up = probe[0] + first.token_ids + others[0]
+    hit = engine.generate(input_ids=[follow_up], sampling_params=params)[0]
+    assert hit.num_cached_tokens > len(probe[0])
+    cold = _run(llama, [follow_up], params, enable_radix_cache=False)[0]
+    assert (hit.token_ids, hit.logprobs) == cold
+
+
+def test_decode_graphs_replay_the_same_bits(llama: TinyModel, monkeypatch) -> None:
+    """Decode steps replayed from graphs (the attention kernel's one-token launch reading the
+    static table fixed at capture, batches padded up the ladder) give the bits of eager steps.
+    CPU: the graph twin (tests/graph_twin.py) with the Triton path under the interpreter;
+    CUDA: real graphs, bf16."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from mma_dot import use_mma_dot
+    from rollout import kernels
+    from rollout.attention import deterministic_backend
+
+    prompts = make_prompts(llama.vocab_size, [3, 11, 6], seed=30)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=n, seed=4, ignore_eos=True) for n in (5, 2, 4)]
+    cuda = torch.cuda.is_available()
+    device = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096) if cuda else {}  # bf16: the MMA kernels
+    if not cuda:
+        monkeypatch.setattr(batch_invariant, "use_triton", True)
+        monkeypatch.setattr(deterministic_backend, "use_triton", True)
+        monkeypatch.setattr(kernels, "enabled", True)
+        use_mma_dot(monkeypatch)
+    eager = Engine(EngineConfig(model=llama.path, deterministic=True, cuda_graph=False, **device))
+    graphed = Engine(EngineConfig(model=llama.path, deterministic=True, cuda_graph_max_bs=4, **device))
+    if not cuda:
+        from graph_twin import EagerDecodeGraphs
+
+        graphed.runner.graphs = EagerDecodeGraphs(graphed.model, graphed.runner.backend, max_bs=4, max_context=64,
+                                                  device=graphed.device)
+        graphed.runner.graphs.capture()
+    assert eager.runner.graphs is None and graphed.runner.graphs is not None
+    want = [(o.token_ids, o.logprobs) for o in eager.generate(input_ids=prompts, sampling_params=params)]
+    got = [(o.token_ids, o.logprobs) for o in graphed.generate(input_ids=prompts, sampling_params=params)]
+    assert got == want
+    assert graphed.runner.graphs.num_replays >= 3  # batches of 3 (padded to 4), 2 and 1
 
 
 def test_deterministic_with_two_tp_ranks(llama: TinyModel) -> None:

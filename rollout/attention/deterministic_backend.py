@@ -17,9 +17,10 @@ of the vector width), so no element falls into a scalar tail loop in one batch a
 loop in another (the two round differently on CPU).
 
 On CUDA the same contract is kept by a Triton kernel (deterministic_triton.py: one program
-per row and KV head, fixed tiles, online softmax), which CUDA graphs replay. Costs: each row
-re-reads its request's KV (prefill rows included), and on CPU a step's scores are held in
-memory at once.
+per block of a request's new tokens and KV head, fixed tiles, online softmax; row_blocks.py
+plans the blocks), whose one-token launch CUDA graphs replay. A prompt chunk's rows share
+their KV tile loads there; on CPU each row still reads its request's KV, and a step's scores
+are held in memory at once.
 """
 
 from __future__ import annotations
@@ -27,9 +28,14 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.attention.row_blocks import RowBlocks, decode_table, heads_per_kv, plan_row_blocks
+from rollout.device import to_device
 from rollout.model.forward_batch import ForwardBatch
 
 KV_TILE = 64
+# MMA rows of a prompt chunk's program on the GPU (tokens x padded query heads per KV head):
+# 64 is the smallest Hopper wgmma tile, and keeps the accumulator in 4 warps' registers.
+BLOCK_ROWS = 64
 
 # None: the Triton kernel on CUDA, the torch tiles on CPU. Tests set True to run the kernel
 # on CPU tensors under TRITON_INTERPRET=1.
@@ -44,10 +50,23 @@ class DeterministicAttention(AttentionBackend):
         self.triton = use_triton if use_triton is not None else self.pool.k_buffers[0].is_cuda
         # decode graphs replay the kernel: it reads only device tensors (the torch path plans on the host)
         self.graphable = self.triton
-        self._static_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._static_table: torch.Tensor | None = None
+        self.launches: list[RowBlocks] = []
+
+    def max_block_tokens(self) -> int:
+        return max(1, BLOCK_ROWS // heads_per_kv(self.num_heads, self.num_kv_heads))
 
     def plan(self, batch: ForwardBatch) -> None:
         super().plan(batch)
+        device = batch.kv_indices.device
+        if self.triton:
+            tables = plan_row_blocks(batch.extend_lens, self.max_block_tokens())
+            packed = to_device(torch.cat([t for t, _ in tables], 1), device) if tables else None  # one copy
+            self.launches, at = [], 0
+            for table, tokens in tables:
+                self.launches.append(RowBlocks(packed[:, at : at + table.shape[1]], tokens))
+                at += table.shape[1]
+            return
         # Per token row, from the per-request lists (host tensors, no loop over tokens): its
         # request, and how many of that request's new tokens follow it.
         extend = torch.tensor(batch.extend_lens, dtype=torch.int64)  # [B]
@@ -55,35 +74,27 @@ class DeterministicAttention(AttentionBackend):
         reqs = torch.repeat_interleave(torch.arange(len(extend)), extend)  # [T]
         first_row = torch.cumsum(extend, 0) - extend  # [B]
         backs = extend[reqs] - 1 - (torch.arange(len(reqs)) - first_row[reqs])  # [T]
-        device = batch.kv_indices.device
-        if self.triton:
-            self.row_req = reqs.to(device=device, dtype=torch.int32)
-            self.row_back = backs.to(device)
-        else:
-            lengths = seq_lens[reqs] - backs  # the KV a row sees: its own position + 1
-            self.row_lengths = lengths.to(device)
-            self.row_starts = (torch.cumsum(seq_lens, 0) - seq_lens)[reqs].to(device)  # its request's KV in kv_indices
-            self.num_tiles = -(-int(lengths.max()) // KV_TILE) if len(lengths) else 0
+        lengths = seq_lens[reqs] - backs  # the KV a row sees: its own position + 1
+        self.row_lengths = lengths.to(device)
+        self.row_starts = (torch.cumsum(seq_lens, 0) - seq_lens)[reqs].to(device)  # its request's KV in kv_indices
+        self.num_tiles = -(-int(lengths.max()) // KV_TILE) if len(lengths) else 0
 
     def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
-        """A decode graph's rows are its requests (RowReq = arange, RowBack = 0), read from
-        buffers that outlive every capture (the largest graph is captured first)."""
+        """A decode graph's programs are its requests, one token each, read from a table that
+        outlives every capture (the largest graph is captured first)."""
         super().plan(batch)
-        if self._static_rows is None:
-            n = batch.batch_size
-            device = batch.kv_indices.device
-            self._static_rows = (torch.arange(n, dtype=torch.int32, device=device),
-                                 torch.zeros(n, dtype=torch.int64, device=device))
-        self.row_req = self._static_rows[0][: batch.batch_size]
-        self.row_back = self._static_rows[1][: batch.batch_size]
+        if self._static_table is None:
+            self._static_table = decode_table(batch.batch_size, batch.kv_indices.device)
+        self.launches = [RowBlocks(self._static_table[:, : batch.batch_size], 1)]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                batch: ForwardBatch, out: torch.Tensor) -> None:
         if self.triton:
-            from rollout.attention.deterministic_triton import rows_attention
+            from rollout.attention.deterministic_triton import tiled_attention
 
-            rows_attention(q.contiguous(), k_buf, v_buf, batch.kv_indptr, batch.kv_indices, self.row_req,
-                           self.row_back, self.scale, out, KV_TILE)
+            q = q.contiguous()
+            for blocks in self.launches:
+                tiled_attention(q, k_buf, v_buf, batch.kv_indptr, batch.kv_indices, blocks, self.scale, out, KV_TILE)
             return
         t = q.shape[0]
         if t == 0:
@@ -99,8 +110,11 @@ class DeterministicAttention(AttentionBackend):
             gather = (self.row_starts[:, None] + offsets[None, :]).clamp(max=last)
             # invalid positions read slot 0 (the reserved padding page: zeros) and are masked
             slots = torch.where(valid, batch.kv_indices[gather], 0).reshape(-1)
-            keys = k_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().permute(0, 2, 3, 1)  # [T, Hkv, D, TILE]
-            scores = torch.matmul(qg, keys) * self.scale  # [T, Hkv, G, TILE]
+            # Every operand a contiguous [rows, cols] matrix per (row, KV head), the same for any T:
+            # MKL's batched GEMM took another path for a permuted B once T > 1 (measured: a decode
+            # row alone and next to one other differed in the last bit, 4 heads / 2 KV heads / d 16).
+            keys = k_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().transpose(1, 2).contiguous()
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [T, Hkv, G, TILE]
             scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
             tiles.append((scores, slots))
         row_max = tiles[0][0].amax(-1)
@@ -110,7 +124,7 @@ class DeterministicAttention(AttentionBackend):
         acc = torch.zeros(t, hkv, group, d, dtype=torch.float32, device=q.device)
         for scores, slots in tiles:
             probs = torch.exp(scores - row_max[..., None])  # [T, Hkv, G, TILE]: 0 where masked
-            values = v_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().transpose(1, 2)  # [T, Hkv, TILE, D]
+            values = v_buf.index_select(0, slots).view(t, KV_TILE, hkv, d).float().transpose(1, 2).contiguous()  # [T, Hkv, TILE, D]
             total = total + probs.sum(-1)
             acc = acc + torch.matmul(probs, values)
         out.copy_((acc / total[..., None]).view(t, self.num_heads, d))

@@ -1,12 +1,28 @@
-"""The GPU twin of DeterministicAttention's torch path: one Triton program per (token row,
-KV head) walks the row's own KV from position 0 in tiles of KV_TILE slots, with an online
-softmax in float32 (the extend kernel's inner loop). Nothing in a program depends on the other rows (no split-KV whose split
-count follows the batch, one tile config), so a row's output is the same in any batch, and
-the kernel reads only device tensors (CUDA graphs replay it).
+"""The GPU twin of DeterministicAttention's torch path: Triton programs that each take a block
+of up to TOKENS consecutive new tokens of one request (row_blocks.py plans them) and one KV
+head, and walk that request's KV from position 0 in tiles of TILE slots with an online softmax
+in float32. A decode is a block of one token; a prompt chunk of 16 tokens shares every K/V
+tile load among its 16 rows (and, with GQA, its query heads fill the MMA's rows instead of
+padding), which is what made per-token rows slow for prefill.
 
-Row r belongs to request RowReq[r] and sees that request's KV slots
-kv_indices[kv_indptr[b] : kv_indptr[b + 1] - RowBack[r]] (RowBack: how many of the
-request's new tokens come after this one). A decode batch is RowReq = arange, RowBack = 0.
+Why a row's result does not depend on the block it is in (nor the batch, the chunk split, a
+cache hit): every value a row produces is built only from its own query and its own KV, in
+an order fixed by the tiles:
+- scores: one tl.dot over head_dim per tile; each output element of an MMA is the reduction
+  of its own row and column in K steps of 16, in order, whatever the tile's M (checked on
+  the H200 for MMAv2 and v3 tile shapes, for the matmul and for this kernel:
+  tests/kernels/test_batch_invariant.py, tests/attention/test_deterministic_attention.py);
+- the row max: exact in any order;
+- exp2, the rescales: elementwise;
+- the row sum of p and p @ V: tl.dot again (p in the KV dtype, against ones for the sum).
+  Not tl.sum: a reduction's order follows the register layout, and the layout follows the
+  tile shape (a 16-row tile spreads a row over 4 warps, a 64-row one keeps it in one);
+- tiles are counted from position 0 and a tile adds to a row only if it holds some of that
+  row's KV (`live`), so a block that runs on past a row's end (for its later rows) leaves
+  the row's state untouched.
+Nothing depends on the other programs (no split-KV whose count follows the batch), and the
+kernel reads only device tensors: the decode CUDA graphs replay its one-token launch.
+
 Runs on CPU tensors under TRITON_INTERPRET=1 (tests/attention/test_deterministic_attention.py).
 """
 
@@ -16,55 +32,85 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.attention.triton_kernels import _LOG2E, _extend_inner
+from rollout.attention.row_blocks import RowBlocks, heads_per_kv
+from rollout.attention.triton_kernels import _LOG2E
+
+SUM_COLS = 16  # tl.dot's smallest N: the row sum of p comes out SUM_COLS times, equal
 
 
 @triton.jit
-def _rows_attention_kernel(
-    Q, K, V, Out, KvIndptr, KvIndices, RowReq, RowBack, qk_scale,  # sm_scale * log2(e)
+def _tiled_rows_kernel(
+    Q, K, V, Out, KvIndptr, KvIndices, Blocks, stride_blocks, qk_scale,  # qk_scale: sm_scale * log2(e)
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    blk = tl.program_id(0)
     kvh = tl.program_id(1)
-    req = tl.load(RowReq + row)
+    req = tl.load(Blocks + blk)
+    first_row = tl.load(Blocks + stride_blocks + blk).to(tl.int64)
+    count = tl.load(Blocks + 2 * stride_blocks + blk)
+    back = tl.load(Blocks + 3 * stride_blocks + blk)
     start = tl.load(KvIndptr + req).to(tl.int64)
-    length = tl.load(KvIndptr + req + 1).to(tl.int64) - start - tl.load(RowBack + row)
-    local_h = tl.arange(0, BLOCK_H)
-    mask_h = local_h < GROUP  # the GROUP query heads of this KV head, padded to BLOCK_H (>= 16) for tl.dot
-    offs_h = kvh * GROUP + local_h
+    first_len = tl.load(KvIndptr + req + 1).to(tl.int64) - start - back  # KV the block's first token sees
+    # MMA rows: token-major, then the GROUP query heads of this KV head padded to HEADS (a
+    # power of two); at least 16 rows for tl.dot, the padding masked on load and store
+    r = tl.arange(0, ROWS)
+    tok = r // HEADS
+    head = r % HEADS
+    mask_r = (tok < count) & (head < GROUP)
+    row_len = first_len + tok  # [ROWS]: a token sees its own position and all before it
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # the extend kernel's online-softmax loop, non-causal over [0, length): tiles of TILE from
-    # position 0 in order, whatever the batch
-    acc, l_i, m_i = _extend_inner(
-        acc, l_i, m_i, q, K, V, KvIndices, start, kvh, local_h, 0, 0, length, qk_scale,
-        stride_ks, stride_kh, stride_vs, stride_vh, offs_d, mask_d, BLOCK_N=TILE, CAUSAL=False, PRECISION=PRECISION,
-    )
-    out = acc / l_i[:, None]
-    tl.store(Out + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=mask_h[:, None] & mask_d[None, :])
+    q = tl.load(Q + (first_row + tok)[:, None] * stride_qt + (kvh * GROUP + head)[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [ROWS, BLOCK_D]
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS, SUM_COLS], tl.float32)  # the running row sum, SUM_COLS equal copies
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    ones = tl.full([TILE, SUM_COLS], 1.0, V.dtype.element_ty)
+    end = first_len + count - 1  # the block's longest row
+    for n0 in range(0, end, TILE):
+        offs_n = n0 + tl.arange(0, TILE)
+        mask_n = offs_n < end
+        slot = tl.load(KvIndices + start + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [ROWS, TILE]
+        s = tl.where(offs_n[None, :] < row_len[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows only: keep exp2 finite
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None]).to(V.dtype.element_ty)  # [ROWS, TILE]: 0 past a row's end
+        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        live = n0 < row_len  # [ROWS]: this tile holds some of the row's KV
+        l_i = tl.where(live[:, None], l_i * alpha[:, None] + tl.dot(p, ones, input_precision=PRECISION), l_i)
+        acc = tl.where(live[:, None], acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION), acc)
+        m_i = tl.where(live, m_new, m_i)
+    out = acc / tl.max(l_i, 1)[:, None]  # max of equal copies: exact
+    tl.store(Out + (first_row + tok)[:, None] * stride_ot + (kvh * GROUP + head)[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
 
 
-def rows_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
-                   kv_indices: torch.Tensor, row_req: torch.Tensor, row_back: torch.Tensor, scale: float,
-                   out: torch.Tensor, tile: int) -> None:
-    """q: [T, H, D]; k_buf / v_buf: [slots, Hkv, D]; writes out [T, H, D]."""
-    t, h, d = q.shape
+def tiled_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor, blocks: RowBlocks, scale: float, out: torch.Tensor, tile: int) -> None:
+    """q: [T, H, D]; k_buf / v_buf: [slots, Hkv, D]; writes the rows `blocks` covers into
+    out [T, H, D]."""
+    _, h, d = q.shape
     hkv = k_buf.shape[1]
-    if t == 0:
+    if blocks.num_programs == 0:
         return
-    group = h // hkv
-    _rows_attention_kernel[(t, hkv)](
-        q, k_buf, v_buf, out, kv_indptr, kv_indices, row_req, row_back, scale * _LOG2E,
+    if blocks.table.stride(1) != 1:
+        raise ValueError("blocks.table must be contiguous along its programs")
+    heads = heads_per_kv(h, hkv)
+    rows = max(16, blocks.tokens * heads)
+    gpu = q.is_cuda
+    # one-token blocks keep the launch the decode path was measured with; blocks of a prompt
+    # chunk (64 MMA rows by default) stage two K/V tiles
+    extra = {"num_warps": 4, "num_stages": 2 if blocks.tokens > 1 else 3} if gpu else {}
+    _tiled_rows_kernel[(blocks.num_programs, hkv)](
+        q, k_buf, v_buf, out, kv_indptr, kv_indices, blocks.table, blocks.table.stride(0), scale * _LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
-        TILE=tile, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=h // hkv, HEADS=heads, ROWS=rows, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        TILE=tile, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **extra,
     )

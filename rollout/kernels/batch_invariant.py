@@ -45,18 +45,27 @@ class TileConfig:
 
 
 BLOCK_K = 64
+GROUP_M = 8  # row tiles per launch group (L2 reuse, batch_invariant_triton.py); no effect on bits
 # Measured on the H200 (BENCHMARKS.md, scripts/bench_batch_invariant.py; bf16, Llama-3.1-8B
 # projections at 1-2048 rows): 64x64 tiles with 4 stages at decode sizes, 128x128 with 8 warps
 # for the wide projections (gate_up, lm_head) from a few hundred rows and for every projection
 # at prefill sizes.
 _SMALL = TileConfig(64, 64, BLOCK_K, 4, 4)
 _LARGE = TileConfig(128, 128, BLOCK_K, 8, 3)
+# Up to 16 rows (decode at small batch) the matmul is a weight stream: one 16-row tile (tl.dot's
+# smallest) and as many column tiles as it takes to give every SM a few programs (a 64-wide tile
+# left the o projection 64 programs on 132 SMs), each with a deep pipeline of 64-wide K steps
+# so that enough bytes are in flight per SM to reach the HBM bandwidth.
+_STREAM = {16: TileConfig(16, 16, BLOCK_K, 4, 8), 32: TileConfig(16, 32, BLOCK_K, 4, 6),
+           64: TileConfig(16, 64, BLOCK_K, 4, 4)}
 config: TileConfig | None = None  # a fixed override (the benchmark's candidates); None: chosen here
 
 
 def config_for(m: int, n: int) -> TileConfig:
     if config is not None:
         return config
+    if m <= 16:
+        return _STREAM[16 if n <= 8192 else 32 if n <= 32768 else 64]
     if m <= 64 or (m <= 512 and n < 16384):
         return _SMALL
     return _LARGE
@@ -115,11 +124,11 @@ def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if m == 0:
         return out
     c = config_for(m, n)
-    grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
     matmul_kernel[grid](
         rows, weight, bias if bias is not None else out, out, m, n, k,
         rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M,
         PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out

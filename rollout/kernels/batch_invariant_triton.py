@@ -12,13 +12,24 @@ def matmul_kernel(
     X, W, Bias, Y, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Y[M, N] = X[M, K] @ W[N, K]^T (+ bias). One program per output tile; the K loop runs
-    start to end in one program (no split-K), so an output's reduction order is fixed by the
-    tile config alone, never by M."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    start to end in one program (no split-K), so an output's reduction order is fixed by
+    BLOCK_K alone, never by M.
+
+    Programs are numbered in groups of GROUP_M row tiles: consecutive programs sweep the
+    column tiles of a few row tiles, so a wave of programs reads a few MB of X and W that stay
+    in L2 instead of all of X per column tile (prefill chunks: X is 64-224 MB). Which program
+    computes a tile never changes its bits."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
