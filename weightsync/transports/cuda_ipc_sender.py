@@ -173,8 +173,9 @@ class CudaIpcSender:
         except BaseException:
             self._abandon_pack()
             raise
-        # Frees earlier buffers the engine has now unmapped (after a layout change).
-        if device.type == "cuda":
+        # Frees earlier buffers the engine has now unmapped: it unmaps only when it gets new
+        # handles, so a send that reused them has nothing to collect.
+        if device.type == "cuda" and fresh:
             torch.cuda.ipc_collect()
         if not reply.ok:
             # The engine is done reading (it answers after apply), but it may or may not
