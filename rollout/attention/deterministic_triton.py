@@ -35,7 +35,7 @@ import triton.language as tl
 from rollout.attention.row_blocks import RowBlocks, heads_per_kv
 from rollout.attention.triton_kernels import _LOG2E
 
-SUM_COLS = 16  # tl.dot's smallest N: the row sum of p comes out SUM_COLS times, equal
+SUM_COLS = tl.constexpr(16)  # jit code reads constexpr globals only. tl.dot's smallest N: the row sum of p comes out SUM_COLS times, equal
 
 
 @triton.jit
