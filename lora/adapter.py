@@ -168,6 +168,8 @@ class LoraWeights:
     # same names checks its shapes against this in one comparison instead of name by name
     last_update: tuple[tuple[str, ...], list[tuple[int, str, str]], list[torch.Size]] | None = field(
         default=None, repr=False)
+    # the last flat update's validated layout (lora/update.py FlatPlan): checked once per layout
+    last_flat: Any = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -247,7 +249,7 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---- updates ------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class AdapterWrite:
     name: str  # as given
     layer: int
@@ -259,12 +261,14 @@ class AdapterWrite:
 
 def plan_adapter_update(weights: LoraWeights,
                         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                        model: ModelConfig) -> list[AdapterWrite]:
+                        model: ModelConfig, *, check_values: bool = True) -> list[AdapterWrite]:
     """Validate an update of a loaded adapter; nothing is written. Every name must be one of
     the adapter's tensors (same names as parse_adapter accepts), with the loaded shape, a
     floating dtype (cast on write) and finite values, each at most once. A partial update
     (any subset of the adapter's tensors) is allowed: the rest keep their values. Rank,
-    alpha and target modules cannot change: load the adapter anew for that."""
+    alpha and target modules cannot change: load the adapter anew for that.
+    `check_values=False` leaves the finiteness check to the caller (lora/update.py checks
+    the values of many updates with one host sync)."""
     items = _items(named_tensors)
     names = tuple(name for name, _ in items)
     tensors = [tensor for _, tensor in items]
@@ -277,7 +281,8 @@ def plan_adapter_update(weights: LoraWeights,
     else:
         writes = _plan_by_name(weights, items, model)
         weights.last_update = (names, [(w.layer, w.module, w.which) for w in writes], [w.tensor.shape for w in writes])
-    _check_finite([(w.name, w.tensor) for w in writes])
+    if check_values:
+        _check_finite([(w.name, w.tensor) for w in writes])
     return writes
 
 
