@@ -121,18 +121,16 @@ class LoraManager:
             else:
                 for run in update.runs:
                     _write_run_to_host(entry.host, run, buffer, scale)
+        elif slot is not None:
+            self.pool.write_named(slot, update.keys, update.tensors, rank, scale)
+            entry.host_stale = True
         else:
-            parts = [(w.layer, w.module, w.which, w.tensor) for w in update.writes]
-            if slot is not None:
-                self.pool.write_modules(slot, parts, rank, scale)
-                entry.host_stale = True
-            else:
-                for layer, module, which, value in parts:
-                    a, b = entry.host.modules[layer, module]
-                    if which == "A":
-                        a.copy_(value)
-                    else:
-                        b.copy_(value * scale)
+            for (layer, module, which), value in zip(update.keys, update.tensors):
+                a, b = entry.host.modules[layer, module]
+                if which == "A":
+                    a.copy_(value)
+                else:
+                    b.copy_(value * scale)
         entry.version += 1
         return entry.version
 

@@ -58,6 +58,7 @@ class LoraPool:
         # of tensors, and slicing them anew each time costs more host time than the copies
         self._view_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._run_cache: dict[tuple[int, Run, int], torch.Tensor] = {}
+        self._named_cache: dict[tuple[int, int], tuple] = {}  # (slot, rank) -> write_named's plan
         self.bind_views()
         self.batch: LoraInputs | None = None  # the next forward's segments; None: no adapter runs
         self.concurrent = False  # the next forward's shrinks run beside the base matmuls (hook.py)
@@ -157,33 +158,44 @@ class LoraPool:
                 torch.mul(src.to(dst.device, non_blocking=True), b_scale, out=dst)
 
     @torch.no_grad()
-    def write_modules(self, slot: int, parts: list[tuple[int, str, str, torch.Tensor]], rank: int,
-                      b_scale: float) -> None:
-        """In-place update of some of a resident adapter's tensors: (layer, module, "A"|"B",
-        unscaled value), as multi-tensor ops (a few launches for the hundreds of tensors of an
-        adapter). B is scaled in its incoming dtype before the copy rounds it, as at load."""
-        a_dst, a_src, b_dst, b_src = [], [], [], []
-        for layer, hf_module, which, value in parts:
-            views = self._views(slot, layer, hf_module, rank)
-            value = self._local(hf_module, which, value)
-            if value.device != self.device:
-                value = value.to(self.device, non_blocking=True)
-            if which == "A":
-                a_dst.append(views[0])
-                a_src.append(value)
-            else:
-                b_dst.append(views[1])
-                b_src.append(value)
+    def write_named(self, slot: int, keys: list[tuple[int, str, str]], tensors: list[torch.Tensor], rank: int,
+                    b_scale: float) -> None:
+        """In-place update of some of a resident adapter's tensors, one per key (layer, HF
+        module, "A"|"B"; unscaled values), as multi-tensor ops: a few launches for the
+        hundreds of tensors of an adapter. B is scaled in its incoming dtype before the copy
+        rounds it, as at load. Where each key goes is cached per `keys` object: a trainer's
+        repeated updates (lora.adapter.plan_update_keys) reuse it."""
+        cached = self._named_cache.get((slot, rank))
+        if cached is None or cached[0] is not keys:
+            a_at = [i for i, key in enumerate(keys) if key[2] == "A"]
+            b_at = [i for i, key in enumerate(keys) if key[2] == "B"]
+            a_dst = [self._views(slot, keys[i][0], keys[i][1], rank)[0] for i in a_at]
+            b_dst = [self._views(slot, keys[i][0], keys[i][1], rank)[1] for i in b_at]
+            cached = self._named_cache[slot, rank] = (keys, a_at, a_dst, b_at, b_dst)
+        _, a_at, a_dst, b_at, b_dst = cached
+        a_src, b_src = [tensors[i] for i in a_at], [tensors[i] for i in b_at]
+        if self.tp.size > 1:
+            a_src = [self._local(keys[i][1], "A", t) for i, t in zip(a_at, a_src)]
+            b_src = [self._local(keys[i][1], "B", t) for i, t in zip(b_at, b_src)]
+        device = self.device
+        a_src = [t if t.device == device else t.to(device, non_blocking=True) for t in a_src]
+        b_src = [t if t.device == device else t.to(device, non_blocking=True) for t in b_src]
         if b_src:
             b_src = list(torch._foreach_mul(b_src, b_scale))
         for dst, src in ((a_dst, a_src), (b_dst, b_src)):
             if dst:
                 torch._foreach_copy_(dst, src, non_blocking=True)
 
+    def write_modules(self, slot: int, parts: list[tuple[int, str, str, torch.Tensor]], rank: int,
+                      b_scale: float) -> None:
+        """write_named for (layer, module, "A"|"B", value) tuples."""
+        self.write_named(slot, [p[:3] for p in parts], [p[3] for p in parts], rank, b_scale)
+
     def forget_views(self) -> None:
         """Drop cached slot views (they would keep released buffers' storage alive)."""
         self._view_cache.clear()
         self._run_cache.clear()
+        self._named_cache.clear()
 
     def clear(self, slot: int) -> None:
         self.slot_ranks[slot] = 0

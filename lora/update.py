@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lora.adapter import AdapterWrite, LoraWeights, _parse_name, plan_adapter_update
+from lora.adapter import LoraWeights, _items, _parse_name, plan_update_keys
 from lora.flat import FlatLayout, FlatLoraAdapter, Run, plan_runs
 from rollout.model.config import ModelConfig
 from rollout.validate import first_non_finite, is_int
@@ -31,11 +31,13 @@ __all__ = ["FlatPlan", "FlatUpdate", "NamedUpdate", "check_finite", "plan_flat_l
 
 @dataclass
 class NamedUpdate:
-    writes: list[AdapterWrite]
+    names: tuple[str, ...]
+    keys: list[tuple[int, str, str]]  # (layer, HF module, "A"|"B") of each tensor; reused across repeats
+    tensors: list[torch.Tensor]
 
     def values(self) -> list[tuple[str, torch.Tensor]]:
         """(tensor name, tensor) of every value to check."""
-        return [(w.name, w.tensor) for w in self.writes]
+        return list(zip(self.names, self.tensors))
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,8 @@ Update = NamedUpdate | FlatUpdate
 
 def plan_named_update(weights: LoraWeights, named_tensors: Iterable[tuple[str, torch.Tensor]],
                       model: ModelConfig) -> NamedUpdate:
-    """Names and shapes checked; values not yet (check_finite)."""
-    return NamedUpdate(plan_adapter_update(weights, named_tensors, model, check_values=False))
+    """Names and shapes checked (lora.adapter.plan_update_keys); values not yet (check_finite)."""
+    return NamedUpdate(*plan_update_keys(weights, _items(named_tensors), model))
 
 
 def plan_flat_update(weights: LoraWeights, flat: Any, model: ModelConfig) -> FlatUpdate:
