@@ -4,6 +4,8 @@ GPU (default: Llama-3.1-8B shape, random bf16 weights and adapters, no download)
   a  256 prompts x in 512 / out 256: the engine without LoRA; with LoRA on and base-only
      requests; with 8 rank-16 adapters on all seven modules, requests spread uniformly
      (goal: <= 15% slower than without LoRA)
+  p  a's prefill alone (256 x 512 prompt tokens, 1 new token), prompt tok/s: how much of a's
+     LoRA cost is prefill (eager steps, in-order LoRA ops) rather than decode (graphs)
   b  batch 1, in 128 / out 256: without LoRA vs one adapter (goal: <= 10% slower)
   s  LoRA-only sync of 8 rank-16 adapters from device tensors, synchronized, median of 5
      (goal: <= 5 ms for all 8), four ways: by name with 8 update_lora_adapter calls (the
@@ -14,7 +16,7 @@ GPU (default: Llama-3.1-8B shape, random bf16 weights and adapters, no download)
 CPU (--cpu): the real SmolLM2-135M with three adapters, the engine against peft's
   unmerged generate in the same run (tokens compared, tok/s of each).
 
-    python -m scripts.bench_lora [--shape llama8b] [--workloads a b s]
+    python -m scripts.bench_lora [--shape llama8b] [--workloads a p b s]
     python -m scripts.bench_lora --cpu [--prompts 8] [--new 32]
 """
 
@@ -89,7 +91,7 @@ def gpu(args) -> None:
     names = [f"lora{i}" for i in range(8)]
     results: dict[str, float] = {}
     for lora in (False, True):
-        if not lora and not {"a", "b"} & set(args.workloads):
+        if not lora and not {"a", "p", "b"} & set(args.workloads):
             continue  # the sync row alone needs no LoRA-free peer
         engine = make(lora)
         if lora:
@@ -107,15 +109,18 @@ def gpu(args) -> None:
                   + ([("8 adapters, uniform", [names[i % 8] for i in range(batch_a)])] if lora else [])),
             "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
         }
-        for workload in ("a", "b"):
+        workloads["p"] = workloads["a"]  # a's prefill alone: where a's LoRA cost lies (prefill or decode)
+        for workload in ("a", "p", "b"):
             if workload not in args.workloads:
                 continue
             work, variants = workloads[workload]
             for what, lora_names in variants:
                 engine.flush_cache()
-                timed(engine, work, greedy(8), lora_names)
+                timed(engine, work, greedy(1 if workload == "p" else 8), lora_names)  # the same prefill steps
                 engine.flush_cache()
-                secs, toks = timed(engine, work, greedy(output_n), lora_names)
+                secs, toks = timed(engine, work, greedy(1 if workload == "p" else output_n), lora_names)
+                if workload == "p":
+                    toks = sum(len(w) for w in work)  # prompt tokens per second
                 key = f"{workload} [{label}] {what}"
                 results[key] = toks / secs
                 print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token)", flush=True)
@@ -163,9 +168,9 @@ def gpu(args) -> None:
     for key, value in results.items():
         if key.startswith("s"):
             continue
-        base = results.get(f"{key[0]} [no LoRA] base" + (" requests" if key[0] == "a" else ""))
+        base = results.get(f"{key[0]} [no LoRA] base" + (" requests" if key[0] in "ap" else ""))
         rel = f"{value / base - 1:+.1%}" if base else ""
-        goal = {"a": ">= -15%", "b": ">= -10%"}[key[0]] if "adapter" in key else ""
+        goal = {"a": ">= -15%", "b": ">= -10%"}.get(key[0], "") if "adapter" in key else ""
         print(f"{key:<44} | {value:>9.1f} | {rel:>10} | {goal}")
     for key, value in results.items():
         if key.startswith("s"):  # LoRA-only sync of 8 adapters
@@ -243,7 +248,7 @@ def cpu(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b")
-    parser.add_argument("--workloads", nargs="+", default=["a", "b", "s"])
+    parser.add_argument("--workloads", nargs="+", default=["a", "p", "b", "s"])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--cpu", action="store_true", help="SmolLM2 against peft on the CPU")
