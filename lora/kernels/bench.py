@@ -1,6 +1,7 @@
 """Micro-benchmark of the multi-LoRA ops on a GPU (bf16), for choosing tilings and launch modes.
 
-    python -m lora.kernels.bench [--shape llama8b --rank 16 --slots 8 --split-k N --only ops|step]
+    python -m lora.kernels.bench [--shape llama8b --rank 16 --slots 8 --split-k N --expand-block-n N
+                                  --only ops|step]
     python -m lora.kernels.bench --device cpu     # a smoke run of every table (tiny shape, interpreter)
 
 Times are GPU time inside CUDA graphs (``triton.testing.do_bench_cudagraph``), as the
@@ -100,7 +101,8 @@ def _tiling(proj: Projection, num_rows: int, num_segments: int, device: torch.de
     sms = sgmv._num_sms(device)
     s = tiling.shrink_tiling(num_rows, num_segments, proj.hidden, proj.num_slices, proj.rank, 2, num_sms=sms,
                              split_k=sgmv._FORCE_SPLIT_K)
-    e = tiling.expand_tiling(num_rows, num_segments, proj.widths, proj.rank, s.split_k, num_sms=sms)
+    e = tiling.expand_tiling(num_rows, num_segments, proj.widths, proj.rank, s.split_k, num_sms=sms,
+                             block_n=sgmv._FORCE_EXPAND_BLOCK_N)
     return f"s{s.block_m}x{s.block_n}x{s.block_k}/{s.split_k} e{e.block_m}x{e.block_n}"
 
 
@@ -202,6 +204,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=None, help="adapters resident (and the most used at once)")
     p.add_argument("--layers", type=int, default=None, help="layers walked per timed call (default: the shape's)")
     p.add_argument("--split-k", type=int, default=None, help="force shrink's split-K (a sweep; default: from shapes)")
+    p.add_argument("--expand-block-n", type=int, default=None, help="force expand's column block (16..256, a sweep)")
     p.add_argument("--only", choices=("ops", "step"), default=None, help="run one of the two tables")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of every table (Triton interpreter)")
     args = p.parse_args()
@@ -223,6 +226,7 @@ def main() -> None:
     from lora.kernels import sgmv
 
     sgmv._FORCE_SPLIT_K = args.split_k
+    sgmv._FORCE_EXPAND_BLOCK_N = args.expand_block_n
     torch.manual_seed(0)
     timer = Timer(device)
     h, i = cfg["hidden_size"], cfg["intermediate_size"]

@@ -48,8 +48,9 @@ __all__ = ["pdl_enabled", "sgmv_expand", "sgmv_shrink"]
 
 # Segments scanned per vector load when a program looks up its tile's segment.
 _MAX_BLOCK_G = 128
-# Tests (and benchmark sweeps) force shrink's split-K here; None: chosen from shapes.
+# Tests (and benchmark sweeps) force shrink's split-K / expand's column block here; None: from shapes.
 _FORCE_SPLIT_K: int | None = None
+_FORCE_EXPAND_BLOCK_N: int | None = None
 # Under the interpreter (CPU tensors) programs run one after another: few and wide ones.
 _INTERPRETER_NUM_SMS = 1
 
@@ -264,7 +265,8 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
     widths = tuple(hi - lo for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:]))
     if num_tokens == 0 or num_rows == 0 or num_segments == 0 or n_out == 0:
         return
-    tiling = expand_tiling(num_rows, num_segments, widths, max_rank, split_k, num_sms=_num_sms(out.device))
+    tiling = expand_tiling(num_rows, num_segments, widths, max_rank, split_k, num_sms=_num_sms(out.device),
+                           block_n=_FORCE_EXPAND_BLOCK_N)
     block_starts = [0]
     for width in widths:
         block_starts.append(block_starts[-1] + triton.cdiv(width, tiling.block_n))
