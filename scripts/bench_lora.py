@@ -71,6 +71,7 @@ def gpu(args) -> None:
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     device = torch.device(args.device)
+    t0 = time.perf_counter()  # elapsed seconds on each row: what a time limit must cover
     dtype, dtype_name = (torch.bfloat16, "bfloat16") if device.type == "cuda" else (torch.float32, "float32")
     # --device cpu (tiny shape): a smoke run of the same code on small workloads
     batch_a, input_a, output_n = (256, 512, 256) if device.type == "cuda" else (16, 32, 16)
@@ -109,22 +110,7 @@ def gpu(args) -> None:
                   + ([("8 adapters, uniform", [names[i % 8] for i in range(batch_a)])] if lora else [])),
             "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
         }
-        workloads["p"] = workloads["a"]  # a's prefill alone: where a's LoRA cost lies (prefill or decode)
-        for workload in ("a", "p", "b"):
-            if workload not in args.workloads:
-                continue
-            work, variants = workloads[workload]
-            for what, lora_names in variants:
-                engine.flush_cache()
-                timed(engine, work, greedy(1 if workload == "p" else 8), lora_names)  # the same prefill steps
-                engine.flush_cache()
-                secs, toks = timed(engine, work, greedy(1 if workload == "p" else output_n), lora_names)
-                if workload == "p":
-                    toks = sum(len(w) for w in work)  # prompt tokens per second
-                key = f"{workload} [{label}] {what}"
-                results[key] = toks / secs
-                print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token)", flush=True)
-        if lora and "s" in args.workloads:
+        if lora and "s" in args.workloads:  # first: short, and a row a time limit must not lose
             from lora.flat import FlatLoraAdapter
 
             updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, dtype).items())
@@ -148,7 +134,8 @@ def gpu(args) -> None:
                     _sync(device)
                     times.append(time.perf_counter() - start)
                 results[key] = 1e3 * statistics.median(times[1:])
-                print(f"{key} ({mb:.0f} MB): {results[key]:.2f} ms (median of 5)", flush=True)
+                print(f"{key} ({mb:.0f} MB): {results[key]:.2f} ms (median of 5) [{time.perf_counter() - t0:.0f} s]",
+                      flush=True)
             for key in ("s: LoRA-only sync, 8 adapters, by name x8", "s: LoRA-only sync, 8 adapters, flat x1"):
                 profile = cProfile.Profile()  # where the host time of one round goes
                 profile.enable()
@@ -157,6 +144,22 @@ def gpu(args) -> None:
                 profile.disable()
                 print(f"profile of one round, {key}:")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(8)
+        workloads["p"] = workloads["a"]  # a's prefill alone: where a's LoRA cost lies (prefill or decode)
+        for workload in ("a", "p", "b"):
+            if workload not in args.workloads:
+                continue
+            work, variants = workloads[workload]
+            for what, lora_names in variants:
+                engine.flush_cache()
+                timed(engine, work, greedy(1 if workload == "p" else 8), lora_names)  # the same prefill steps
+                engine.flush_cache()
+                secs, toks = timed(engine, work, greedy(1 if workload == "p" else output_n), lora_names)
+                if workload == "p":
+                    toks = sum(len(w) for w in work)  # prompt tokens per second
+                key = f"{workload} [{label}] {what}"
+                results[key] = toks / secs
+                print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token) "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
         del engine
         gc.collect()
         if device.type == "cuda":

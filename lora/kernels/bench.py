@@ -1,7 +1,7 @@
 """Micro-benchmark of the multi-LoRA ops on a GPU (bf16), for choosing tilings and launch modes.
 
     python -m lora.kernels.bench [--shape llama8b --rank 16 --slots 8 --split-k N --expand-block-n N
-                                  --only ops|step]
+                                  --only ops|step --batches 1 256]
     python -m lora.kernels.bench --device cpu     # a smoke run of every table (tiny shape, interpreter)
 
 Times are GPU time inside CUDA graphs (``triton.testing.do_bench_cudagraph``), as the
@@ -108,8 +108,7 @@ def _tiling(proj: Projection, num_rows: int, num_segments: int, device: torch.de
 
 def per_projection(projections: list[Projection], args: argparse.Namespace, timer: Timer, device: torch.device,
                    dtype: torch.dtype) -> None:
-    batches = (1, 16, 64, 256) if device.type == "cuda" else (1, 4)
-    shapes = [(f"decode {b} x{a}", [1] * b, a) for b in batches for a in (1, args.slots) if a <= b]
+    shapes = [(f"decode {b} x{a}", [1] * b, a) for b in args.batches for a in (1, args.slots) if a <= b]
     long = 1024 if device.type == "cuda" else 8
     shapes += [(f"prefill {long // 2} x1", [long // 2], 1), (f"prefill 4x{long} x1", [long] * 4, 1)]
     shapes += [(f"prefill 4x{long} x{min(4, args.slots)}", [long] * 4, min(4, args.slots))] if args.slots > 1 else []
@@ -169,8 +168,7 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
           f"(base GEMMs + LoRA rank {args.rank}); ms, and added ms / % of the real decode step")
     print(f"{'batch':<7}{'adapters':>9}{'base ms':>9}" + "".join(f"{m + ' ms':>14}" for m in MODES)
           + "".join(f"{'added ' + m:>17}" for m in MODES), flush=True)
-    batches = (1, 16, 64, 256) if device.type == "cuda" else (1, 4)
-    for batch in batches:
+    for batch in args.batches:
         for num_adapters in sorted({1, min(args.slots, batch)}):
             plan, seg = _plan([1] * batch, num_adapters, batch + num_adapters, device, num_segments=args.slots)
             inputs = LoraInputs(*seg, plan.num_lora_rows)
@@ -206,6 +204,7 @@ def main() -> None:
     p.add_argument("--split-k", type=int, default=None, help="force shrink's split-K (a sweep; default: from shapes)")
     p.add_argument("--expand-block-n", type=int, default=None, help="force expand's column block (16..256, a sweep)")
     p.add_argument("--only", choices=("ops", "step"), default=None, help="run one of the two tables")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default 1 16 64 256)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of every table (Triton interpreter)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -222,6 +221,7 @@ def main() -> None:
     cfg = SHAPES[args.shape]
     args.layers = args.layers or cfg["num_hidden_layers"]
     args.slots = args.slots or (8 if device.type == "cuda" else 2)
+    args.batches = args.batches or ([1, 16, 64, 256] if device.type == "cuda" else [1, 4])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # the interpreter has no bf16 dot
     from lora.kernels import sgmv
 

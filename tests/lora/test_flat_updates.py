@@ -236,3 +236,27 @@ def test_flat_layout_is_plain_data() -> None:
                                    ("model.layers.0.self_attn.q_proj.lora_A.weight", (2, 4))])
     assert layout.names[0].endswith("lora_A.weight") and layout.offsets == (0, 8) and layout.numel == 16
     assert layout == FlatLayout(layout.names, layout.shapes, layout.offsets, layout.numel) and len(layout) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-side copies and NaN check of a CUDA engine")
+def test_gpu_flat_update_writes_what_the_update_by_name_writes(llama: TinyModel, ref: PeftRef) -> None:
+    common = dict(device="cuda", max_total_tokens=2048, cuda_graph=False, attention="triton")
+    by_name, by_flat = _engine(llama, ref, **common), _engine(llama, ref, **common)
+    prompt = make_prompts(llama.vocab_size, [9], seed=85)[0]
+    for engine in (by_name, by_flat):  # a and c resident in slots
+        engine.generate(input_ids=[prompt, prompt], sampling_params=GREEDY, lora_name=["a", "c"])
+    trainers = {name: _trainer(ref, name, seed=920 + i) for i, name in enumerate(("a", "c"))}
+    named = {name: [(n, t.cuda()) for n, t in iter_hf_weights(t_, adapter_only=True)] for name, t_ in trainers.items()}
+    flats = {name: FlatLoraAdapter.pack(pairs) for name, pairs in named.items()}  # on the device
+    bad = FlatLoraAdapter(flats["c"].buffer.clone(), flats["c"].layout)
+    bad.buffer[-1] = float("nan")  # the last matrix: down_proj's lora_B of the last layer
+    with pytest.raises(ValueError, match=r"adapter 'c': adapter tensor '.*layers\.1\.mlp\.down_proj\.lora_B.*' has non-finite"):
+        by_flat.update_lora_adapters({"a": flats["a"], "c": bad})
+    assert by_name.update_lora_adapters(named) == by_flat.update_lora_adapters(flats) == {"a": 1, "c": 1}
+    for m in by_name.lora.pool.a_stack:
+        assert torch.equal(by_name.lora.pool.a_stack[m], by_flat.lora.pool.a_stack[m]), m
+        assert torch.equal(by_name.lora.pool.b_stack[m], by_flat.lora.pool.b_stack[m]), m
+    outs = [e.generate(input_ids=[prompt] * 2, sampling_params=GREEDY, lora_name=["a", "c"]) for e in (by_name, by_flat)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    for out, name in zip(outs[1], ("a", "c")):
+        assert out.token_ids == _greedy(trainers[name], prompt), name
