@@ -121,3 +121,45 @@ def test_host_image_holds_the_adapter_scaled_in_the_model_dtype() -> None:
     assert torch.equal(b, (tensors[adapter_tensor_name(1, "gate_proj", "B")] * config.scaling).bfloat16())
     run = next(r for r in image.runs if r.module == "up_proj" and r.which == "B")
     assert torch.equal(image.run_view(run)[1], image.modules[1, "up_proj"][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-side copies and NaN check of a CUDA engine")
+def test_gpu_engine_flat_update_writes_what_the_update_by_name_writes(llama) -> None:
+    """No peft needed (the GPU image has none): two CUDA engines, one adapter updated by name
+    in one and flat in the other, hold the same slot bits and decode the same tokens."""
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    hf_model = ModelConfig.from_dir(llama.path)
+    rank, targets = 4, ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+    config = dict(r=rank, lora_alpha=8, target_modules=list(targets))
+    engines = [Engine(EngineConfig(model=llama.path, device="cuda", enable_lora=True, max_lora_rank=8,
+                                   max_total_tokens=2048, cuda_graph=False, attention="triton")) for _ in range(2)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    prompt = [5, 17, 3, 42, 8, 11]
+
+    def tensors(seed: int) -> dict[str, torch.Tensor]:
+        from lora.adapter import module_shape
+
+        g, out = torch.Generator().manual_seed(seed), {}
+        for layer in range(hf_model.num_layers):
+            for module in targets:
+                fan_in, fan_out = module_shape(hf_model, module)
+                out[adapter_tensor_name(layer, module, "A")] = torch.randn(rank, fan_in, generator=g) * 0.3
+                out[adapter_tensor_name(layer, module, "B")] = torch.randn(fan_out, rank, generator=g) * 0.3
+        return out
+
+    for engine in engines:
+        engine.load_lora_adapter("x", tensors=tensors(0), config=config)
+        engine.generate(input_ids=[prompt], sampling_params=greedy, lora_name="x")  # resident in a slot
+    new = {n: t.cuda() for n, t in tensors(1).items()}
+    flat = FlatLoraAdapter.pack(new)
+    bad = FlatLoraAdapter(flat.buffer.clone(), flat.layout)
+    bad.buffer[0] = float("inf")
+    with pytest.raises(ValueError, match=r"adapter 'x': adapter tensor '.*layers\.0\.self_attn\.q_proj\.lora_A.*' has non-finite"):
+        engines[1].update_lora_adapter("x", bad)
+    assert engines[0].update_lora_adapter("x", list(new.items())) == engines[1].update_lora_adapter("x", flat) == 1
+    pools = [e.lora.pool for e in engines]
+    for m in pools[0].a_stack:
+        assert torch.equal(pools[0].a_stack[m], pools[1].a_stack[m]) and torch.equal(pools[0].b_stack[m], pools[1].b_stack[m])
+    outs = [e.generate(input_ids=[prompt], sampling_params=greedy, lora_name="x")[0].token_ids for e in engines]
+    assert outs[0] == outs[1]
