@@ -145,7 +145,7 @@ def gpu(args) -> None:
                 print(f"profile of one round, {key}:")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(8)
         workloads["p"] = workloads["a"]  # a's prefill alone: where a's LoRA cost lies (prefill or decode)
-        for workload in ("a", "p", "b"):
+        for workload in ("b", "a", "p"):  # shortest first: a time limit loses the diagnostic p first
             if workload not in args.workloads:
                 continue
             work, variants = workloads[workload]
