@@ -147,6 +147,8 @@ def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
 
 def _items(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    if set(map(type, items)) <= {tuple} and set(map(len, items)) <= {2}:  # C-level passes: 448 pairs a step
+        return items
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2):
             raise ValueError(f"adapter tensors: expected (name, tensor) pairs, got {type(item).__name__}")
@@ -168,6 +170,8 @@ class LoraWeights:
     # same names checks its shapes against this in one comparison instead of name by name
     last_update: tuple[tuple[str, ...], list[tuple[int, str, str]], list[torch.Size]] | None = field(
         default=None, repr=False)
+    # the last flat update's validated layout (lora/update.py FlatPlan): checked once per layout
+    last_flat: Any = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -247,7 +251,7 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---- updates ------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class AdapterWrite:
     name: str  # as given
     layer: int
@@ -259,26 +263,38 @@ class AdapterWrite:
 
 def plan_adapter_update(weights: LoraWeights,
                         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                        model: ModelConfig) -> list[AdapterWrite]:
+                        model: ModelConfig, *, check_values: bool = True) -> list[AdapterWrite]:
     """Validate an update of a loaded adapter; nothing is written. Every name must be one of
     the adapter's tensors (same names as parse_adapter accepts), with the loaded shape, a
     floating dtype (cast on write) and finite values, each at most once. A partial update
     (any subset of the adapter's tensors) is allowed: the rest keep their values. Rank,
-    alpha and target modules cannot change: load the adapter anew for that."""
-    items = _items(named_tensors)
+    alpha and target modules cannot change: load the adapter anew for that.
+    `check_values=False` leaves the finiteness check to the caller (lora/update.py checks
+    the values of many updates with one host sync)."""
+    names, keys, tensors = plan_update_keys(weights, _items(named_tensors), model)
+    writes = [AdapterWrite(name, layer, module, which, tensor, weights.modules[layer, module][which == "B"])
+              for name, (layer, module, which), tensor in zip(names, keys, tensors)]
+    if check_values:
+        _check_finite([(w.name, w.tensor) for w in writes])
+    return writes
+
+
+def plan_update_keys(weights: LoraWeights, items: list[tuple[str, Any]],
+                     model: ModelConfig) -> tuple[tuple[str, ...], list[tuple[int, str, str]], list[torch.Tensor]]:
+    """(names, (layer, module, "A"|"B") of each, tensors) of a validated update (values not
+    checked), as plan_adapter_update validates it. An update with the same names as the last
+    one (a trainer's every step) is checked in one shape comparison and returns the same
+    `keys` list object as the last time, so callers may cache work by its identity."""
     names = tuple(name for name, _ in items)
     tensors = [tensor for _, tensor in items]
     last = weights.last_update
-    if (last is not None and names == last[0] and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
-            and [t.shape for t in tensors] == last[2]):
-        # the same names as last time (a trainer's every step), all with the loaded shapes
-        writes = [AdapterWrite(name, layer, module, which, tensor, weights.modules[layer, module][which == "B"])
-                  for name, (layer, module, which), tensor in zip(names, last[1], tensors)]
-    else:
-        writes = _plan_by_name(weights, items, model)
-        weights.last_update = (names, [(w.layer, w.module, w.which) for w in writes], [w.tensor.shape for w in writes])
-    _check_finite([(w.name, w.tensor) for w in writes])
-    return writes
+    if (last is not None and names == last[0] and all(isinstance(t, torch.Tensor) for t in tensors)
+            and all(d.is_floating_point for d in {t.dtype for t in tensors}) and [t.shape for t in tensors] == last[2]):
+        return names, last[1], tensors  # the loaded shapes under the same names as last time
+    writes = _plan_by_name(weights, items, model)
+    keys = [(w.layer, w.module, w.which) for w in writes]
+    weights.last_update = (names, keys, [w.tensor.shape for w in writes])
+    return names, keys, tensors
 
 
 def _plan_by_name(weights: LoraWeights, items: list[tuple[str, Any]], model: ModelConfig) -> list[AdapterWrite]:

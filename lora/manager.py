@@ -9,6 +9,9 @@ use sit in device slots of the LoraPool. Invariants:
   update of a resident adapter writes the slot only (a few MB per step, no device->host
   copy) and marks the host copy stale; it is read back before the slot is given away.
 
+Host copies are laid out as the slots are (lora/image.py), so filling a slot, reading one
+back and a flat update (lora/flat.py) are one copy per run of layers, not per tensor.
+
 The scheduler asks `can_acquire` / `acquire` / `release` per request; the engine's LoRA
 API (rollout/lora_api.py) adds, updates and removes adapters.
 """
@@ -21,8 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lora.adapter import LoraAdapterConfig, LoraWeights, plan_adapter_update
-from lora.pool import EngineAdapter, LoraPool
+from lora.adapter import LoraAdapterConfig, LoraWeights
+from lora.flat import FlatLoraAdapter
+from lora.image import HostImage
+from lora.pool import LoraPool
+from lora.update import FlatUpdate, Update, check_finite, plan_flat_update, plan_named_update
 from rollout.model.config import ModelConfig
 from rollout.request import Req
 
@@ -32,7 +38,7 @@ class AdapterEntry:
     name: str
     config: LoraAdapterConfig
     weights: LoraWeights  # as loaded: updates are validated (names, shapes) against it, never written to it
-    host: EngineAdapter  # what a slot is filled from
+    host: HostImage  # what a slot is filled from
     version: int = 0
     host_stale: bool = False  # the slot holds newer values than `host`
 
@@ -74,14 +80,9 @@ class LoraManager:
         if outside:
             raise ValueError(f"adapter {name!r}: target_modules {outside} are outside the engine's "
                              f"lora_target_modules {sorted(self.pool.targets)} (EngineConfig.lora_target_modules)")
-        host = {key: (self._host(a), self._host(b * config.scaling)) for key, (a, b) in weights.modules.items()}
-        entry = AdapterEntry(name, config, weights, host)
+        entry = AdapterEntry(name, config, weights, HostImage(weights, self.dtype, self._pin))
         self.adapters[name] = entry
         return entry
-
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to("cpu", self.dtype).contiguous()
-        return t.pin_memory() if self._pin else t
 
     def remove(self, name: str) -> None:
         """Forget an adapter (the caller has checked no request uses it)."""
@@ -92,26 +93,44 @@ class LoraManager:
             self.pool.clear(slot)
         del self.adapters[name]
 
-    def plan_update(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]]):
-        """Validate a whole update of one adapter (names, shapes, finiteness) before any write."""
-        return plan_adapter_update(self.adapters[name].weights, named_tensors, self.model_config)
+    def plan_update(self, name: str, tensors: Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter) -> Update:
+        """Validate names and shapes of an update of one adapter (by name, or one flat
+        buffer); the values are checked by `check_values`, still before any write."""
+        weights = self.adapters[name].weights
+        if isinstance(tensors, FlatLoraAdapter):
+            return plan_flat_update(weights, tensors, self.model_config)
+        return plan_named_update(weights, tensors, self.model_config)
 
-    def apply_update(self, name: str, writes) -> int:
+    @staticmethod
+    def check_values(updates: list[tuple[str, Update]]) -> None:
+        """NaN/Inf anywhere in these planned updates raises (one host sync for all of them)."""
+        check_finite(updates)
+
+    @torch.no_grad()
+    def apply_update(self, name: str, update: Update) -> int:
         """Write a validated update: into the slot when resident (the host copy goes stale
         until the slot is given away), else into the host copy. Returns the new version."""
         entry = self.adapters[name]
         slot = self.slot_of(name)
-        parts = [(w.layer, w.module, w.which, w.tensor) for w in writes]
-        if slot is not None:
-            self.pool.write_modules(slot, parts, entry.config.r, entry.config.scaling)
+        rank, scale = entry.config.r, entry.config.scaling
+        if isinstance(update, FlatUpdate):
+            buffer = update.flat.buffer
+            if slot is not None:
+                self.pool.write_runs(slot, list(update.runs), buffer, rank, scale)
+                entry.host_stale = True
+            else:
+                for run in update.runs:
+                    _write_run_to_host(entry.host, run, buffer, scale)
+        elif slot is not None:
+            self.pool.write_named(slot, update.keys, update.tensors, rank, scale)
             entry.host_stale = True
         else:
-            for layer, module, which, value in parts:
-                a, b = entry.host[layer, module]
+            for (layer, module, which), value in zip(update.keys, update.tensors):
+                a, b = entry.host.modules[layer, module]
                 if which == "A":
                     a.copy_(value)
                 else:
-                    b.copy_(value * entry.config.scaling)
+                    b.copy_(value * scale)
         entry.version += 1
         return entry.version
 
@@ -141,7 +160,7 @@ class LoraManager:
         if slot is None:
             slot = self._free_slot()
             entry = self.adapters[name]
-            self.pool.write(slot, entry.host, entry.config.r)
+            self.pool.write(slot, entry.host)
             self.slot_owner[slot] = name
         self.slot_refs[slot] += 1
         self._slot_used[slot] = next(self._clock)
@@ -163,14 +182,19 @@ class LoraManager:
             assert self.slot_refs[slot] == 0, "evict_all: a slot is still in use"
             entry = self.adapters[name]
             if entry.host_stale:
-                self.pool.read(slot, entry.host, entry.config.r)
+                self.pool.read(slot, entry.host)
                 entry.host_stale = False
             self.slot_owner[slot] = None
-        self.pool.forget_views()
+        self.pool.release_views()
 
     def device_tensors(self) -> list[torch.Tensor]:
-        """Every device buffer of the slots (released while the engine sleeps)."""
-        return [*self.pool.a.values(), *self.pool.b.values(), self.pool.slot_ranks]
+        """Every device buffer of the slots (released while the engine sleeps; `rebind`
+        after they are re-made)."""
+        return self.pool.device_tensors()
+
+    def rebind(self) -> None:
+        """The slots' buffers were re-made (wake): point the per-layer views at them."""
+        self.pool.bind_views()
 
     def _free_slot(self) -> int:
         empty = [s for s, owner in enumerate(self.slot_owner) if owner is None]
@@ -182,7 +206,22 @@ class LoraManager:
         slot = min(idle, key=self._slot_used.__getitem__)
         owner = self.adapters[self.slot_owner[slot]]  # type: ignore[index]
         if owner.host_stale:  # the slot has the only current copy: read it back first
-            self.pool.read(slot, owner.host, owner.config.r)
+            self.pool.read(slot, owner.host)
             owner.host_stale = False
         self.slot_owner[slot] = None
         return slot
+
+
+def _write_run_to_host(host: HostImage, run, buffer: torch.Tensor, scale: float) -> None:
+    """A flat update's run into a host copy (the adapter has no slot): one copy, B scaled."""
+    src = run.view(buffer)
+    dst = host.run_view(run)
+    if dst is None:  # not back to back in the host copy: matrix by matrix
+        for k in range(run.num_layers):
+            a, b = host.modules[run.first_layer + k, run.module]
+            (a if run.which == "A" else b).copy_(src[k] if run.which == "A" else src[k] * scale)
+        return
+    if run.which == "A":
+        dst.copy_(src)
+    else:
+        torch.mul(src.to(dst.device), scale, out=dst)

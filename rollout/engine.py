@@ -300,6 +300,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
                                  "wake(['weights']) first or wake both")
             start = time.perf_counter()
             self.memory.restore_kv()
+            if self.lora is not None:
+                self.lora.rebind()  # the slots' per-layer views, onto the re-made buffers
             attach_backend(self.config, self.model_config, self.runner, self.kv_pool, min(self.context_len, self.kv.capacity))
             if self.draft is not None:
                 self.draft.attach()

@@ -7,16 +7,17 @@ orders it against the running requests and the prefix cache:
 - an adapter's cached KV is keyed by (adapter, version), so an update or an unload drops
   that adapter's entries only, and a request never reuses KV of another adapter, of the
   base model, or of an older version of its own adapter;
-- an update is atomic: every tensor is validated before any is written, and the requests
-  running under that adapter are paused first (`pause_mode`, as for update_weights), so no
-  token is computed half with the old adapter and half with the new;
+- an update is atomic: every tensor is validated before any is written (for several
+  adapters in one call: every tensor of all of them, the values with one host sync), and
+  the requests running under those adapters are paused first (`pause_mode`, as for
+  update_weights), so no token is computed half with the old adapter and half with the new;
 - unloading an adapter that requests (running or waiting) use is refused: abort them or
   let them finish first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,8 @@ import torch
 from rollout.validate import check_pause_mode, check_str, named_tensor_list
 
 if TYPE_CHECKING:
+    from lora.flat import FlatLoraAdapter
     from lora.manager import LoraAdapterInfo, LoraManager
-    from rollout.request import Req
 
 
 class LoraAdaptersMixin:
@@ -69,26 +70,44 @@ class LoraAdaptersMixin:
     def list_lora_adapters(self) -> list[LoraAdapterInfo]:
         return self._lora_manager().info()
 
-    def update_lora_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+    def update_lora_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter, *,
                             pause_mode: str = "retract") -> int:
-        """Replace some or all of an adapter's tensors in place (PEFT state-dict names);
-        returns its new version. Validated whole before anything is written; the requests
-        running under it are paused by `pause_mode` ("retract": resume under the new
-        version; "wait": finish under the old one first; "abort"); its cached KV is dropped.
-        Other adapters and the base model keep serving, their caches untouched."""
+        """Replace some or all of an adapter's tensors in place, given by PEFT state-dict
+        names or as one flat buffer (`lora.FlatLoraAdapter`: a dozen copies instead of one
+        per tensor); returns its new version. Validated whole before anything is written;
+        the requests running under it are paused by `pause_mode` ("retract": resume under
+        the new version; "wait": finish under the old one first; "abort"); its cached KV is
+        dropped. Other adapters and the base model keep serving, their caches untouched."""
+        return self.update_lora_adapters({name: named_tensors}, pause_mode=pause_mode)[name]
+
+    def update_lora_adapters(self, updates: Mapping[str, Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter], *,
+                             pause_mode: str = "retract") -> dict[str, int]:
+        """`update_lora_adapter` for several adapters in one call: all of them validated
+        (names, shapes, then every value with one host sync in all) before any is written,
+        so a bad tensor in one leaves every adapter as it was. Returns each new version."""
+        from lora.flat import FlatLoraAdapter
+
         manager = self._lora_manager()
         check_pause_mode(pause_mode)
-        items = named_tensor_list(named_tensors)  # the whole stream, even if refused below
-        if name not in manager.adapters:
-            raise ValueError(f"update_lora_adapter: lora_name={name!r} is not loaded (loaded: {sorted(manager.adapters)})")
-        writes = manager.plan_update(name, items)
-        self._pause(pause_mode, _uses(name))  # type: ignore[attr-defined]
-        version = manager.apply_update(name, writes)
-        self.kv.drop_adapter(name)  # type: ignore[attr-defined]
+        if not isinstance(updates, Mapping) or not updates:
+            raise ValueError("update_lora_adapters: expected a non-empty {adapter name: tensors} mapping")
+        # the whole of every stream, even if refused below (a transport must be read to its end)
+        streams = {name: t if isinstance(t, FlatLoraAdapter) else named_tensor_list(t) for name, t in updates.items()}
+        for name in streams:
+            check_str(name, "lora_name")
+            if name not in manager.adapters:
+                raise ValueError(f"update_lora_adapter: lora_name={name!r} is not loaded "
+                                 f"(loaded: {sorted(manager.adapters)})")
+        planned = [(name, manager.plan_update(name, stream)) for name, stream in streams.items()]
+        manager.check_values(planned)
+        self._pause(pause_mode, lambda req: req.lora_name in streams)  # type: ignore[attr-defined]
+        versions = {name: manager.apply_update(name, update) for name, update in planned}
+        for name in versions:
+            self.kv.drop_adapter(name)  # type: ignore[attr-defined]
         for req in self.scheduler.waiting:  # type: ignore[attr-defined]
-            if req.lora_name == name:
-                req.lora_version = version
-        return version
+            if req.lora_name in versions:
+                req.lora_version = versions[req.lora_name]
+        return versions
 
     def unload_lora_adapter(self, name: str) -> None:
         manager = self._lora_manager()
@@ -103,6 +122,3 @@ class LoraAdaptersMixin:
         self.kv.drop_adapter(name)  # type: ignore[attr-defined]
         manager.remove(name)
 
-
-def _uses(name: str) -> Callable[[Req], bool]:
-    return lambda req: req.lora_name == name

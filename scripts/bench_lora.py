@@ -4,13 +4,19 @@ GPU (default: Llama-3.1-8B shape, random bf16 weights and adapters, no download)
   a  256 prompts x in 512 / out 256: the engine without LoRA; with LoRA on and base-only
      requests; with 8 rank-16 adapters on all seven modules, requests spread uniformly
      (goal: <= 15% slower than without LoRA)
+  p  a's prefill alone (256 x 512 prompt tokens, 1 new token), prompt tok/s: how much of a's
+     LoRA cost is prefill (eager steps, in-order LoRA ops) rather than decode (graphs)
   b  batch 1, in 128 / out 256: without LoRA vs one adapter (goal: <= 10% slower)
-  s  LoRA-only sync: update_lora_adapter of 8 rank-16 adapters from device tensors,
-     synchronized, median of 5 (goal: <= 5 ms for all 8)
+  s  LoRA-only sync of 8 rank-16 adapters from device tensors, synchronized, median of 5
+     (goal: <= 5 ms for all 8), four ways: by name with 8 update_lora_adapter calls (the
+     row measured before #10's second pass), by name in one update_lora_adapters call, and
+     as flat buffers (lora.FlatLoraAdapter) in one call -- the trainer's own buffers (its
+     LoRA parameters live in them: weightsync.flat_lora_parameters), or packed from the
+     named tensors inside the timed region (a trainer that does not keep them flat)
 CPU (--cpu): the real SmolLM2-135M with three adapters, the engine against peft's
   unmerged generate in the same run (tokens compared, tok/s of each).
 
-    python -m scripts.bench_lora [--shape llama8b] [--workloads a b s]
+    python -m scripts.bench_lora [--shape llama8b] [--workloads a p b s]
     python -m scripts.bench_lora --cpu [--prompts 8] [--new 32]
 """
 
@@ -65,6 +71,7 @@ def gpu(args) -> None:
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     device = torch.device(args.device)
+    t0 = time.perf_counter()  # elapsed seconds on each row: what a time limit must cover
     dtype, dtype_name = (torch.bfloat16, "bfloat16") if device.type == "cuda" else (torch.float32, "float32")
     # --device cpu (tiny shape): a smoke run of the same code on small workloads
     batch_a, input_a, output_n = (256, 512, 256) if device.type == "cuda" else (16, 32, 16)
@@ -85,7 +92,7 @@ def gpu(args) -> None:
     names = [f"lora{i}" for i in range(8)]
     results: dict[str, float] = {}
     for lora in (False, True):
-        if not lora and not {"a", "b"} & set(args.workloads):
+        if not lora and not {"a", "p", "b"} & set(args.workloads):
             continue  # the sync row alone needs no LoRA-free peer
         engine = make(lora)
         if lora:
@@ -103,40 +110,56 @@ def gpu(args) -> None:
                   + ([("8 adapters, uniform", [names[i % 8] for i in range(batch_a)])] if lora else [])),
             "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
         }
-        for workload in ("a", "b"):
+        if lora and "s" in args.workloads:  # first: short, and a row a time limit must not lose
+            from lora.flat import FlatLoraAdapter
+
+            updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, dtype).items())
+                       for k, n in enumerate(names)}
+            mb = sum(t.numel() * t.element_size() for u in updates.values() for _, t in u) / 1e6
+            flats = {n: FlatLoraAdapter.pack(u) for n, u in updates.items()}  # laid out once, as a trainer's are
+            sync_rows = {
+                "s: LoRA-only sync, 8 adapters, by name x8": lambda: [engine.update_lora_adapter(n, updates[n])
+                                                                    for n in names],
+                "s: LoRA-only sync, 8 adapters, by name x1": lambda: engine.update_lora_adapters(updates),
+                "s: LoRA-only sync, 8 adapters, flat x1": lambda: engine.update_lora_adapters(flats),
+                "s: LoRA-only sync, 8 adapters, flat+pack x1": lambda: engine.update_lora_adapters(
+                    {n: FlatLoraAdapter.pack(u) for n, u in updates.items()}),
+            }
+            for key, sync in sync_rows.items():
+                times = []
+                for _ in range(6):
+                    _sync(device)
+                    start = time.perf_counter()
+                    sync()
+                    _sync(device)
+                    times.append(time.perf_counter() - start)
+                results[key] = 1e3 * statistics.median(times[1:])
+                print(f"{key} ({mb:.0f} MB): {results[key]:.2f} ms (median of 5) [{time.perf_counter() - t0:.0f} s]",
+                      flush=True)
+            for key in ("s: LoRA-only sync, 8 adapters, by name x8", "s: LoRA-only sync, 8 adapters, flat x1"):
+                profile = cProfile.Profile()  # where the host time of one round goes
+                profile.enable()
+                sync_rows[key]()
+                _sync(device)
+                profile.disable()
+                print(f"profile of one round, {key}:")
+                pstats.Stats(profile).sort_stats("tottime").print_stats(8)
+        workloads["p"] = workloads["a"]  # a's prefill alone: where a's LoRA cost lies (prefill or decode)
+        for workload in ("b", "a", "p"):  # shortest first: a time limit loses the diagnostic p first
             if workload not in args.workloads:
                 continue
             work, variants = workloads[workload]
             for what, lora_names in variants:
                 engine.flush_cache()
-                timed(engine, work, greedy(8), lora_names)
+                timed(engine, work, greedy(1 if workload == "p" else 8), lora_names)  # the same prefill steps
                 engine.flush_cache()
-                secs, toks = timed(engine, work, greedy(output_n), lora_names)
+                secs, toks = timed(engine, work, greedy(1 if workload == "p" else output_n), lora_names)
+                if workload == "p":
+                    toks = sum(len(w) for w in work)  # prompt tokens per second
                 key = f"{workload} [{label}] {what}"
                 results[key] = toks / secs
-                print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token)", flush=True)
-        if lora and "s" in args.workloads:
-            updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, dtype).items())
-                       for k, n in enumerate(names)}
-            mb = sum(t.numel() * t.element_size() for u in updates.values() for _, t in u) / 1e6
-            times = []
-            for _ in range(6):
-                _sync(device)
-                start = time.perf_counter()
-                for n in names:
-                    engine.update_lora_adapter(n, updates[n])
-                _sync(device)
-                times.append(time.perf_counter() - start)
-            ms = 1e3 * statistics.median(times[1:])
-            results["s"] = ms
-            print(f"s: LoRA-only sync of 8 rank-{args.rank} adapters ({mb:.0f} MB): {ms:.2f} ms (median of 5)", flush=True)
-            profile = cProfile.Profile()  # where the host time of one round goes
-            profile.enable()
-            for n in names:
-                engine.update_lora_adapter(n, updates[n])
-            _sync(device)
-            profile.disable()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+                print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token) "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
         del engine
         gc.collect()
         if device.type == "cuda":
@@ -144,16 +167,25 @@ def gpu(args) -> None:
 
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     print(f"\n{args.shape}, {dtype_name}, {where}, adapters rank {args.rank} on all seven modules")
-    print(f"{'row':<42} | {'tok/s':>9} | {'vs no LoRA':>10} | goal")
+    print(f"{'row':<44} | {'tok/s':>9} | {'vs no LoRA':>10} | goal")
     for key, value in results.items():
-        if key == "s":
+        if key.startswith("s"):
             continue
-        base = results.get(f"{key[0]} [no LoRA] base" + (" requests" if key[0] == "a" else ""))
+        base = results.get(f"{key[0]} [no LoRA] base" + (" requests" if key[0] in "ap" else ""))
         rel = f"{value / base - 1:+.1%}" if base else ""
-        goal = {"a": ">= -15%", "b": ">= -10%"}[key[0]] if "adapter" in key else ""
-        print(f"{key:<42} | {value:>9.1f} | {rel:>10} | {goal}")
-    if "s" in results:
-        print(f"{'s: LoRA-only sync, 8 adapters':<42} | {results['s']:>7.2f} ms | {'':>10} | <= 5 ms")
+        goal = {"a": ">= -15%", "b": ">= -10%"}.get(key[0], "") if "adapter" in key else ""
+        print(f"{key:<44} | {value:>9.1f} | {rel:>10} | {goal}")
+    for key, value in results.items():
+        if key.startswith("s"):  # LoRA-only sync of 8 adapters
+            print(f"{key:<44} | {value:>6.2f} ms | {'':>10} | <= 5 ms")
+    if any(key.startswith("s") for key in results):
+        print("  (by name xN: N calls of update_lora_adapter(name, named tensors); x1: one update_lora_adapters call;"
+              "\n   flat: the trainer's LoRA parameters live in one buffer per adapter, weightsync.flat_lora_parameters;"
+              "\n   flat+pack: FlatLoraAdapter.pack(named tensors) inside the timed region)")
+    if device.type == "cuda":
+        from lora.kernels.sgmv import pdl_enabled
+
+        print(f"LoRA decode graphs: shrink on a side stream, expand with PDL: {pdl_enabled(device)}")
 
 
 def cpu(args) -> None:
@@ -219,7 +251,7 @@ def cpu(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b")
-    parser.add_argument("--workloads", nargs="+", default=["a", "b", "s"])
+    parser.add_argument("--workloads", nargs="+", default=["a", "p", "b", "s"])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--cpu", action="store_true", help="SmolLM2 against peft on the CPU")

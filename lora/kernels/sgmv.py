@@ -22,6 +22,12 @@ columns past a slot's rank, out's rows outside every segment are not even read.
 The grid depends only on host ints (shapes), never on device values, so a call is one
 launch and is CUDA-graph capturable with the segment tensors changing between replays.
 
+Expand launches with programmatic dependent launch on Hopper and later (`pdl_enabled`):
+it may start while the kernel before it (the base GEMM that wrote out, or the shrink that
+wrote h) drains, and does its launch, segment lookup and row loads meanwhile; it waits
+(griddepcontrol.wait) before its first read of h or out, the only inputs a kernel right
+before it writes. Kernels after it wait for it whole, as usual.
+
 This module knows nothing about models or slots' contents; ``lora.ops`` checks arguments,
 holds the torch reference and dispatches here. The launchers assume checked arguments.
 """
@@ -29,6 +35,7 @@ holds the torch reference and dispatches here. The launchers assume checked argu
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -37,14 +44,39 @@ import triton.language as tl
 from lora.kernels import MAX_SLICES
 from lora.kernels.tiling import expand_tiling, shrink_tiling
 
-__all__ = ["sgmv_expand", "sgmv_shrink"]
+__all__ = ["pdl_enabled", "sgmv_expand", "sgmv_shrink"]
 
 # Segments scanned per vector load when a program looks up its tile's segment.
 _MAX_BLOCK_G = 128
-# Tests (and benchmark sweeps) force shrink's split-K here; None: chosen from shapes.
+# Tests (and benchmark sweeps) force shrink's split-K / expand's column block here; None: from shapes.
 _FORCE_SPLIT_K: int | None = None
+_FORCE_EXPAND_BLOCK_N: int | None = None
 # Under the interpreter (CPU tensors) programs run one after another: few and wide ones.
 _INTERPRETER_NUM_SMS = 1
+
+
+# ROLLOUT_LORA_PDL=0 launches expand without programmatic dependent launch (A/B, a fallback).
+_PDL_ENV = os.environ.get("ROLLOUT_LORA_PDL", "1").strip().lower() not in ("0", "false")
+
+
+@functools.cache
+def _triton_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+@functools.cache
+def _device_has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9  # griddepcontrol: sm_90+
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Does expand launch with programmatic dependent launch on this device (CUDA, sm_90+,
+    a Triton that supports it, ROLLOUT_LORA_PDL not 0)? Never under the interpreter."""
+    return _PDL_ENV and device.type == "cuda" and _triton_has_pdl() and _device_has_pdl(device)
 
 
 @functools.cache
@@ -175,7 +207,7 @@ def _expand_kernel(
     stride_hs, stride_ws, stride_wn, stride_ot,
     N_COLS: tl.constexpr, MAX_RANK: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # grid: [total_blocks * row tiles], column block fastest. Slice j's columns [off_j,
     # off_j+1) start on a fresh block (blk_j), so a block reads one slice's h columns.
@@ -203,6 +235,8 @@ def _expand_kernel(
     # [1, BLOCK_M, BLOCK_R] this slice's rank columns of h, split 0
     h_ptrs = h_ptr + pos[None, :, None] * N_COLS + (slice_id * MAX_RANK + rs)[None, None, :]
     w_ptrs = w_ptr + slot.to(tl.int64) * stride_ws + cols[:, None].to(tl.int64) * stride_wn + rs[None, :]
+    if USE_PDL:  # launched early (PDL): h and out come from the kernels right before this one
+        tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):  # only up to this slot's rank: h past it is unwritten
@@ -231,7 +265,8 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
     widths = tuple(hi - lo for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:]))
     if num_tokens == 0 or num_rows == 0 or num_segments == 0 or n_out == 0:
         return
-    tiling = expand_tiling(num_rows, num_segments, widths, max_rank, split_k, num_sms=_num_sms(out.device))
+    tiling = expand_tiling(num_rows, num_segments, widths, max_rank, split_k, num_sms=_num_sms(out.device),
+                           block_n=_FORCE_EXPAND_BLOCK_N)
     block_starts = [0]
     for width in widths:
         block_starts.append(block_starts[-1] + triton.cdiv(width, tiling.block_n))
@@ -240,13 +275,15 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
     offs = list(slice_offsets[1:-1]) + [n_out] * (MAX_SLICES - len(widths))
     blks = block_starts[1:-1] + [total_blocks] * (MAX_SLICES - len(widths))
     num_tiles = num_segments + triton.cdiv(num_rows, tiling.block_m)
+    pdl = pdl_enabled(out.device)
     _expand_kernel[(total_blocks * num_tiles,)](
         h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks,
         num_segments, n_out, total_blocks, *offs, *blks,
         h.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
         N_COLS=num_cols, MAX_RANK=max_rank, SPLIT_K=split_k, SPLIT_CHUNK=tiling.split_chunk,
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=tiling.block_r, BLOCK_G=_block_g(num_segments),
-        PRECISION=_dot_precision(weights.dtype), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        PRECISION=_dot_precision(weights.dtype), USE_PDL=pdl, num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -108,12 +108,14 @@ def shrink_tiling(num_rows: int, num_segments: int, hidden: int, num_slices: int
 
 
 def expand_tiling(num_rows: int, num_segments: int, slice_widths: tuple[int, ...], max_rank: int, split_k: int, *,
-                  num_sms: int = DEFAULT_NUM_SMS) -> ExpandTiling:
+                  num_sms: int = DEFAULT_NUM_SMS, block_n: int | None = None) -> ExpandTiling:
+    """``block_n`` forces the column block (benchmark sweeps; a power of 2 >= 16)."""
     block_m = block_m_for(num_rows, num_segments)
     tiles = cdiv(num_rows, block_m)
-    block_n = 128
-    while block_n > 32 and tiles * sum(cdiv(w, block_n) for w in slice_widths) < num_sms:
-        block_n //= 2
+    if block_n is None:
+        block_n = 128
+        while block_n > 32 and tiles * sum(cdiv(w, block_n) for w in slice_widths) < num_sms:
+            block_n //= 2
     block_r = min(64, max(16, next_power_of_2(max_rank)))
     split_chunk = max(1, min(next_power_of_2(split_k), PARTIALS_TILE // (block_m * block_r)))
     return ExpandTiling(block_m, block_n, block_r, split_chunk, num_warps=8 if block_m * block_n >= 8192 else 4)

@@ -115,7 +115,12 @@ class TPEngine:
 
     def update_lora_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                             pause_mode: str = "retract") -> int:
-        """An adapter's new tensors (PEFT names, whole) to every rank; each keeps its part."""
+        """An adapter's new tensors (PEFT names, whole; or a lora.FlatLoraAdapter, sent as
+        its named views) to every rank; each keeps its part."""
+        from lora.flat import FlatLoraAdapter
+
+        if isinstance(named_tensors, FlatLoraAdapter):
+            named_tensors = named_tensors.named_tensors()
         return self._with_tensors("update_lora_adapter", named_tensors, name=name, pause_mode=pause_mode)
 
     def _with_tensors(self, method: str, named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> Any:

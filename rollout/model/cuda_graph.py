@@ -83,7 +83,8 @@ class DecodeGraphs:
         if self.lora is not None:
             static = LoraInputs(self.lora_row_ids[: fb.batch_size], self.lora_seg_indptr, self.lora_seg_slots,
                                 fb.batch_size)
-            self.lora.plan(static, with_lora)
+            # shrinks on a side stream beside the base matmuls: captured as graph branches
+            self.lora.plan(static, with_lora, concurrent=True)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,15 @@ from rollout.model.parallel import make_embedding
 
 if TYPE_CHECKING:
     from rollout.attention.base import AttentionBackend
+
+
+class LoraProjection(Protocol):
+    """Adds adapter deltas to a projection (lora/hook.py): `begin(x)` before the base matmul
+    (its shrink may run beside it), `finish(pending, y)` after, updating y in place."""
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor | None: ...
+
+    def finish(self, pending: torch.Tensor | None, out: torch.Tensor) -> None: ...
 
 
 class RMSNorm(nn.Module):
@@ -107,16 +116,19 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # Multi-LoRA: set by the adapter pool (lora/pool.py LoraHook); adds each request's
+        # Multi-LoRA: set by the adapter pool (lora/hook.py LoraHook); adds each request's
         # adapter delta to this projection's output in place. None: no adapters here.
-        self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self.lora: LoraProjection | None = None
         # Deterministic mode swaps in a batch-invariant matmul (LlamaModel.make_batch_invariant).
         self.matmul: Callable[..., torch.Tensor] = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora
+        if lora is None:
+            return self.matmul(x, self.weight, self.bias)
+        pending = lora.begin(x)  # launched before the matmul, so it can overlap it
         y = self.matmul(x, self.weight, self.bias)
-        if self.lora is not None:
-            self.lora(x, y)
+        lora.finish(pending, y)
         return y
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import zmq
 
+from lora.flat import FlatLoraAdapter
 from rollout.core.intake import split_batch, split_lora_names
 from rollout.metrics import EngineStats
 from rollout.request import RolloutOutput, SamplingParams
@@ -167,6 +168,8 @@ def add_request(input_ids: Any, sampling_params: Any, prompt: Any, request_id: A
 def tensor_pairs(named_tensors: Any) -> list[tuple[str, Any]]:
     if isinstance(named_tensors, Mapping):
         return list(named_tensors.items())
+    if isinstance(named_tensors, FlatLoraAdapter):
+        return named_tensors.named_tensors()  # its views travel by name
     return named_tensor_list(named_tensors)
 
 

@@ -55,6 +55,20 @@ def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
     for row in ("a [no LoRA] base requests", "a [LoRA on] 8 adapters, uniform", "b [LoRA on] 1 adapter",
                 "s: LoRA-only sync, 8 adapters"):
         assert row in text, text[-1500:]
+    table = text[text.index("| goal"):]
+    for way in ("by name x8", "by name x1", "flat x1", "flat+pack x1"):  # each sync path, in the table
+        assert f"s: LoRA-only sync, 8 adapters, {way} " in table and "<= 5 ms" in table, table
+
+
+def test_sgmv_bench_tables_smoke_on_cpu() -> None:
+    """Both tables of python -m lora.kernels.bench on the tiny shape, the kernels under the
+    interpreter: per projection, and the decode step in the three launch modes."""
+    text = _run("lora.kernels.bench", "--device", "cpu")
+    assert sum(line.startswith(("qkv ", "o ", "gate_up ", "down ")) for line in text.splitlines()) == 4 * 6, text
+    steps = [line.split() for line in text.splitlines() if line[:1].isdigit()]
+    assert [row[:2] for row in steps] == [["1", "1"], ["4", "1"], ["4", "2"]], text[-1500:]
+    assert all(len(row) == 3 + 3 + 3 for row in steps[1:]), "base, three modes, three added columns"
+    assert "in order ms" in text and "side+pdl ms" in text and "PDL available here: False" in text
 
 
 def test_bench_sleep_smoke_on_cpu() -> None:

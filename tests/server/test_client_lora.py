@@ -13,6 +13,7 @@ from conftest import make_prompts
 from safetensors.torch import save_file
 from server_fixtures import reference, same_output, server, text_model  # noqa: F401 (fixtures)
 
+from lora.flat import FlatLoraAdapter
 from rollout import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=10, seed=23, ignore_eos=True, logprobs_mode="raw")
@@ -78,6 +79,9 @@ def test_adapters_load_generate_update_and_unload(server, reference, text_model,
     after = _generate_both(server, reference, input_ids=prompts[2:], sampling_params=SAMPLED, lora_name="sent")[0]
     assert after.lora_versions == [(1, 0, 10)] and after.token_ids != outs[2].token_ids
     assert after.weight_version == outs[2].weight_version  # the base weights did not change
+    flat = FlatLoraAdapter.pack(_adapter(text_model, seed=4))  # one buffer: its views travel by name
+    assert server.update_lora_adapter("sent", flat) == reference.update_lora_adapter("sent", flat) == 2
+    _generate_both(server, reference, input_ids=prompts[2:], sampling_params=SAMPLED, lora_name="sent")
 
     server.unload_lora_adapter("disk")
     reference.unload_lora_adapter("disk")
