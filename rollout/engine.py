@@ -21,7 +21,6 @@ from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.outputs import Outputs
 from rollout.core.step import StepLoop
 from rollout.distributed.tp import TensorParallel
-from rollout.finite_check import FiniteCheck
 from rollout.metrics import Counters, EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
@@ -227,17 +226,9 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
 
     def _plan_update(self, named_tensors: Iterable, full: bool, target: str) -> tuple[list | None, list | None]:
         """(the target's writes, the draft's), all validated; None where nothing goes."""
-        # Without TP each tensor's NaN/Inf check starts as the stream delivers it, so the device
-        # reads while the trainer walks its model; TP ranks check their shards after the plan.
-        check = FiniteCheck() if self.tp.size == 1 and target == "model" else None
-
-        def on_pair(name: str, value: object) -> None:
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and not name.startswith("draft."):
-                check.add(value)  # type: ignore[union-attr]
-
-        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors, on_pair if check else None), target)
+        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
         draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
-        writes = plan_writes(self.model, pairs, full=full, finite=check) if pairs or draft_writes is None else None
+        writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
         return writes, draft_writes
 
     def _split_draft(self, pairs: list, target: str) -> tuple[list, list]:

@@ -25,7 +25,6 @@ from torch import nn
 
 from rollout.model.config import ModelConfig
 from rollout.model.parallel import full_shape, local_rows, shard_dim, take_shard
-from rollout.finite_check import FiniteCheck
 from rollout.validate import first_non_finite
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -138,11 +137,8 @@ class _Targets:
         return found
 
 
-def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool,
-                finite: FiniteCheck | None = None) -> list[WeightWrite]:
-    """Map and validate a whole update. Raises ValueError naming the first bad tensor.
-    `finite`: a FiniteCheck the caller fed the stream's tensors to as they arrived (its
-    reads overlap the stream); tensors it does not cover are checked here."""
+def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool) -> list[WeightWrite]:
+    """Map and validate a whole update. Raises ValueError naming the first bad tensor."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
     tp = model.tp  # type: ignore[attr-defined]
     targets = _Targets.of(model)
@@ -173,23 +169,14 @@ def plan_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tenso
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"missing tensors for a full load: {missing[:5]}{more}")
-    _check_finite(writes, finite)
+    _check_finite(writes)
     return writes
 
 
-def _check_finite(writes: list[WeightWrite], finite: FiniteCheck | None) -> None:
-    """Refuse the update if any write's tensor holds a NaN or an Inf, naming the first."""
-    rest = [w for w in writes if finite is None or not finite.covers(w.tensor)]
-    bad: set[int] = set()  # id() of the bad writes found
-    first = first_non_finite([w.tensor for w in rest]) if rest else None
-    if first is not None:
-        bad.add(id(rest[first]))
-    if finite is not None:
-        flagged = set(finite.bad())
-        bad |= {id(w) for w in writes if finite.covers(w.tensor) and finite.index_of(w.tensor) in flagged}
-    for w in writes:  # the first in stream order
-        if id(w) in bad:
-            raise ValueError(f"parameter {w.hf_name!r} has non-finite values (NaN or Inf)")
+def _check_finite(writes: list[WeightWrite]) -> None:
+    bad = first_non_finite([w.tensor for w in writes])
+    if bad is not None:
+        raise ValueError(f"parameter {writes[bad].hf_name!r} has non-finite values (NaN or Inf)")
 
 
 @torch.no_grad()
