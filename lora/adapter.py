@@ -297,26 +297,30 @@ def plan_update_keys(weights: LoraWeights, items: list[tuple[str, Any]],
     return names, keys, tensors
 
 
+def loaded_pair(weights: LoraWeights, name: Any, model: ModelConfig) -> tuple[int, str, str, tuple]:
+    """(layer, module, "A"|"B", the loaded (A, B) pair) an update's tensor name goes to, or a
+    ValueError naming it (shared by updates by name and flat layouts)."""
+    parsed = weights.name_index.get(name) if isinstance(name, str) else None
+    layer, module, which = parsed if parsed is not None else _parse_name(name, model)
+    pair = weights.modules.get((layer, module))
+    if pair is None:
+        raise ValueError(f"adapter tensor {name!r}: the loaded adapter has no {module} in layer {layer} "
+                         f"(it has {sorted(weights.module_names)} in layers {weights.layers})")
+    weights.name_index[name] = (layer, module, which)  # the next update skips the parse
+    return layer, module, which, pair
+
+
 def _plan_by_name(weights: LoraWeights, items: list[tuple[str, Any]], model: ModelConfig) -> list[AdapterWrite]:
     writes: list[AdapterWrite] = []
     seen: dict[tuple[int, str, str], str] = {}
-    index = weights.name_index
     for name, tensor in items:
-        parsed = index.get(name) if isinstance(name, str) else None
-        if parsed is None:
-            parsed = _parse_name(name, model)
-        layer, module, which = parsed
-        pair = weights.modules.get((layer, module))
-        if pair is None:
-            raise ValueError(f"adapter tensor {name!r}: the loaded adapter has no {module} in layer {layer} "
-                             f"(it has {sorted(weights.module_names)} in layers {weights.layers})")
+        layer, module, which, pair = loaded_pair(weights, name, model)
         target = pair[0] if which == "A" else pair[1]
         _check_tensor(name, tensor, tuple(target.shape), f"the loaded lora_{which}")
         if (layer, module, which) in seen:
             raise ValueError(f"adapter tensor {name!r}: given twice in one update "
                              f"(also as {seen[layer, module, which]!r})")
         seen[layer, module, which] = name
-        index[name] = parsed
         writes.append(AdapterWrite(name, layer, module, which, tensor, target))
     return writes
 

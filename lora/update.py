@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lora.adapter import LoraWeights, _items, _parse_name, plan_update_keys
+from lora.adapter import LoraWeights, _items, loaded_pair, plan_update_keys
 from lora.flat import FlatLayout, FlatLoraAdapter, Run, plan_runs
 from rollout.model.config import ModelConfig
 from rollout.validate import first_non_finite, is_int
@@ -115,18 +115,11 @@ def plan_flat_layout(weights: LoraWeights, layout: Any, model: ModelConfig) -> F
         raise ValueError("flat LoRA update: layout.names, .shapes and .offsets must be non-empty tuples of one length")
     if not is_int(layout.numel) or layout.numel < 0:
         raise ValueError(f"flat LoRA update: layout.numel={layout.numel!r} must be an int >= 0")
-    index = weights.name_index
     seen: dict[tuple[int, str, str], str] = {}
     entries: list[tuple[int, int, str, str, int, int, str]] = []
     for name, shape, offset in zip(names, shapes, offsets):
-        parsed = index.get(name) if isinstance(name, str) else None
-        if parsed is None:
-            parsed = _parse_name(name, model)
-        layer, module, which = parsed
-        pair = weights.modules.get((layer, module))
-        if pair is None:
-            raise ValueError(f"adapter tensor {name!r}: the loaded adapter has no {module} in layer {layer} "
-                             f"(it has {sorted(weights.module_names)} in layers {weights.layers})")
+        layer, module, which, pair = loaded_pair(weights, name, model)
+        parsed = (layer, module, which)
         want = tuple(pair[which == "B"].shape)
         if not (isinstance(shape, tuple) and all(is_int(d) for d in shape) and tuple(shape) == want):
             raise ValueError(f"adapter tensor {name!r}: shape {shape!r} in the flat layout does not match the loaded "
@@ -138,7 +131,6 @@ def plan_flat_layout(weights: LoraWeights, layout: Any, model: ModelConfig) -> F
         if parsed in seen:
             raise ValueError(f"adapter tensor {name!r}: given twice in one update (also as {seen[parsed]!r})")
         seen[parsed] = name
-        index[name] = parsed
         entries.append((int(offset), layer, module, which, rows, cols, name))
     entries.sort()  # buffer order
     for (off, *_, rows, cols, name), (next_off, *_, next_name) in zip(entries, entries[1:]):
