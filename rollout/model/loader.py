@@ -95,7 +95,7 @@ def iter_hf_views(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one HF name goes in this model, worked out once per name (see _targets)."""
+    """Where one HF name goes in this model, worked out once per name (see _Targets)."""
 
     param: nn.Parameter  # its .data is read at each plan: sleep/wake swap it in place
     rows: slice | None
