@@ -118,18 +118,12 @@ class History:
 
     def finish(self, group: PromptGroup, req: Req) -> None:
         """A member finished: its response becomes history (if it fits the bound)."""
-        if group.evicted:
-            group.members.pop(req, None)
-            return
         self.num_tokens += group.finish(req, keep=0 < req.known_len <= self.max_tokens)
         self._bound(spare=group)
         self.release_if_empty(group)
 
     def leave(self, group: PromptGroup, req: Req) -> None:
         """A member stopped running without finishing (aborted, retracted)."""
-        if group.evicted:
-            group.members.pop(req, None)
-            return
         group.leave(req)
         self.release_if_empty(group)
 

@@ -36,8 +36,10 @@ class SuffixDrafter(Drafter):
         """Every running sample's new tokens into its group before anyone drafts: a request
         drafts from its siblings as they stand now."""
         alive = set(running)
-        for req in [r for r in self._live if r not in alive]:
-            self.history.leave(self._live.pop(req), req)  # aborted or retracted (it may come back)
+        for req in [r for r in self._live if r not in alive]:  # aborted or retracted (it may come back)
+            group = self._live.pop(req)
+            if not group.evicted:  # (an evicted group's counts went with it)
+                self.history.leave(group, req)
         for req in running:
             if req.output_ids:
                 self._group_of(req).sync(req)
@@ -62,7 +64,7 @@ class SuffixDrafter(Drafter):
 
     def observe_finished(self, req: Req) -> None:
         group = self._live.pop(req, None)
-        if group is None:  # finished before it ever ran with output (one token, or a fork)
+        if group is None or group.evicted:  # never ran with output (one token), or its group was dropped
             group = self.history.group(req)
         self.history.finish(group, req)
 

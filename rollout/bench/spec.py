@@ -133,3 +133,96 @@ def host_cost(drafter_factory, prompts: int = 8, siblings: int = 8, history: int
             req.output_ids.extend(emitted)
             req.num_computed_tokens = req.seq_len - 1
     return HostCost(1e3 * seconds / steps, drafted / steps, accepted / max(verifies, 1))
+
+
+class WindowedGovernor:
+    """The governor before paired probes (kept here only to measure against): windows of 16
+    steps, drafting then plain decoding, every step counted (prefill ones too); drafting off
+    for a doubling number of windows while the last plain window was faster."""
+
+    def __init__(self, window: int = 16) -> None:
+        self.window, self.drafting = window, True
+        self._steps, self._seconds, self._tokens = 0, 0.0, 0
+        self.rate = {True: 0.0, False: 0.0}
+        self._off_windows, self._off_length, self._wins = 0, 1, 0
+
+    def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
+        self._steps, self._seconds, self._tokens = self._steps + 1, self._seconds + seconds, self._tokens + tokens
+        if self._steps < self.window:
+            return
+        rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
+        self.rate[self.drafting] = rate
+        self._steps, self._seconds, self._tokens = 0, 0.0, 0
+        if self.drafting:
+            if not self.rate[False]:
+                self.drafting, self._off_windows = False, 1
+            elif rate < self.rate[False]:
+                self.drafting, self._off_windows = False, self._off_length
+                self._off_length = min(2 * self._off_length, 32)
+            else:
+                self._wins += 1
+                if self._wins >= 8:
+                    self._wins, self.drafting, self._off_windows = 0, False, 1
+        else:
+            self._off_windows -= 1
+            if self._off_windows <= 0:
+                self.drafting = True
+                if self.rate[True] >= rate:
+                    self._off_length = 1
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    seed: int  # the sample's own seed (derive_seed of the request's seed and sample index)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """One draft at every position of a second epoch, from the true context: where
+    acceptance is lost before any choice is made (no timing, no draft lengths)."""
+
+    positions: int  # response positions after the first (which the prompt's step samples)
+    matched: int  # the context's last >= 2 tokens occur in the prompt's sequences
+    in_support: int  # ... and the token drawn there is among the counted continuations
+    coupled: int  # the coupled draft is the token drawn
+    point: int  # the point-mass draft (the latest continuation) is the token drawn
+
+
+def draft_coverage(first: list[Sample], second: list[Sample], temperature: float) -> Coverage:
+    """The suffix drafter with `first` as history and the samples of `second` running in
+    lockstep (position t of every sample drafted from tokens[:t], siblings up to t too;
+    those shorter than t finished into the history): what one draft would hit."""
+    from speculative.choice import blended
+    from speculative.ngram import last_tokens
+    from speculative.suffix import MAX_MATCH, MIN_MATCH, SuffixDrafter
+
+    drafter = SuffixDrafter(1, 1 << 30, 1 << 40)
+    params = SamplingParams(temperature=temperature)
+    for s in first:
+        done = Req(rid="h", prompt_ids=s.prompt_ids, params=params, seed=s.seed)
+        done.output_ids = list(s.token_ids)
+        drafter.observe_finished(done)
+    live = [(Req(rid=f"r{i}", prompt_ids=s.prompt_ids, params=params, seed=s.seed), s) for i, s in enumerate(second)]
+    positions = matched = in_support = coupled = point = 0
+    for t in range(1, max(len(s.token_ids) for s in second)):
+        for req, s in live:
+            req.output_ids = list(s.token_ids[:t])
+            if len(s.token_ids) == t:
+                drafter.observe_finished(req)
+        live = [(req, s) for req, s in live if len(s.token_ids) > t]
+        drafter.begin_step([req for req, _ in live])
+        for req, s in live:
+            drawn = s.token_ids[t]
+            positions += 1
+            levels = drafter.history.group(req).index.matches(last_tokens(req, MAX_MATCH), MIN_MATCH)
+            if not levels:
+                continue
+            matched += 1
+            in_support += drawn in blended(levels)
+            for flag in (True, False):
+                drafter.coupled = flag
+                hit = drafter.propose(req, 1) == [drawn]
+                coupled, point = (coupled + hit, point) if flag else (coupled, point + hit)
+    return Coverage(positions, matched, in_support, coupled, point)

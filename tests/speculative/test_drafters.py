@@ -133,6 +133,24 @@ def test_siblings_that_stop_running_take_their_counts_and_finished_ones_stay() -
     assert me.draft_tokens == [5, 6] and set(group.members) == {me}
 
 
+def test_a_sample_whose_prompt_is_evicted_while_it_runs_recounts_and_still_becomes_history() -> None:
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=12)
+    running = _req([1], [5, 6, 7], rid="running")
+    drafter.propose_all([running])
+    first = drafter.history.group(running)
+    for i in range(3):  # other prompts' rollouts: the least recently used group goes first
+        drafter.observe_finished(_req([50 + i], [1, 2, 3, 4, 5], rid=f"other{i}"))
+    assert first.evicted
+    running.output_ids += [5, 6]
+    running.num_computed_tokens += 2
+    drafter.propose_all([running])
+    assert running.draft_tokens[:1] == [7], "its own tokens were counted again in a fresh group"
+    assert drafter.history.group(running) is not first
+    running.finish_reason = "length"
+    drafter.observe_finished(running)
+    assert drafter.history.responses(running) == [[5, 6, 7, 5, 6]] and drafter.tracked_requests() == 0
+
+
 def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_again() -> None:
     """Paired probes: drafting alternates on and off step by step (prefill steps are not
     measurements), the faster mode then holds; plain decoding's holds double while it wins."""
@@ -155,3 +173,11 @@ def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_a
     assert modes.count(False) > 3 * modes.count(True) and modes.count(True) >= 6, modes  # probed now and then
     back = run(60, 100, 50)[-30:]  # when speculation wins again it comes back (probed every 10 steps)
     assert back.count(True) >= 24 and back[-10:].count(True) >= 8, back
+
+    early = SpeedGovernor(probe=2, hold_on=6, first_off=4)
+    for _ in range(5):  # drafting on, but nothing repeats yet: these steps are plain decoding's
+        early.observe(1.0, 50, verified=False)
+    assert early.drafting and early.probing, "no forced plain steps while nothing is drafted"
+    early.observe(1.0, 100, verified=True)
+    early.observe(1.0, 100, verified=True)
+    assert early.drafting and not early.probing and early.rate == {True: 100.0, False: 50.0}
