@@ -40,6 +40,11 @@ class ScheduledBatch:
         req = self.reqs[i]
         return req.num_computed_tokens + self.extend_lens[i] == req.seq_len + len(req.draft_tokens)
 
+    def decode_only(self) -> bool:
+        """Does every request compute just its last token (and its drafts): no prefill work?
+        (Only such steps time decoding against verification: speculative/governor.py.)"""
+        return all(n == 1 + len(r.draft_tokens) and r.output_ids for r, n in zip(self.reqs, self.extend_lens))
+
     def samplers(self) -> list[Req]:
         """The requests that sample this step, in batch order."""
         if self.num_decode == len(self.reqs):  # decode-only: a decode always samples

@@ -7,10 +7,17 @@ the first token that does not) is exactly what plain decoding would have drawn: 
 distribution, the tokens for a given seed and the log-probs are the target model's.
 
 - `ngram.NgramDrafter`: prompt lookup in the request's own tokens.
-- `suffix.SuffixDrafter`: the longest suffix match in the request, its running siblings (the
-  other samples of its prompt) and earlier rollouts of the same prompt (a bounded history).
+- `suffix.SuffixDrafter`: suffix matches in the request, its running siblings (the other
+  samples of its prompt) and earlier rollouts of the same prompt (a bounded history:
+  groups.py), all counted in one continuation index per prompt (index.py).
 - `draft_model.DraftModelDrafter`: a small model sharing the tokenizer, with its own KV pool
   and decode graphs (draft_runner.py), synced by the same weight-update calls.
+
+The two history drafters draft a sampled request with the sampler's own noise (noise.py, a
+host twin of rollout.sampling.uniform_noise) raced over the continuation counts, so a draft
+from samples of the target's distribution is the target's own draw as often as those counts
+allow (choice.py); greedy requests follow the latest continuation. `governor.py` keeps
+drafting on only while it beats plain decoding.
 """
 
 from __future__ import annotations

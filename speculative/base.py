@@ -63,10 +63,11 @@ class Drafter(ABC):
     def propose(self, req: Req, k: int) -> list[int]:
         """Up to k tokens that may follow `req.all_ids` (empty: no guess)."""
 
-    def observe_speed(self, seconds: float, tokens: int) -> None:
-        """One engine step's wall time and emitted tokens (for the governor)."""
+    def observe_speed(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
+        """One engine step's wall time and emitted tokens, whether it had no prefill work
+        and whether it verified drafts (for the governor)."""
         if self.governor is not None:
-            self.governor.observe(seconds, tokens)
+            self.governor.observe(seconds, tokens, decode_only, verified)
 
     def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
         if accepted == drafted:

@@ -2,59 +2,77 @@
 (base.py), but whether verifying drafts beats plain decoding also depends on the batch and
 the device: at batch 1 on a GPU a verify step costs about a decode step, so any accepted
 draft is a win; on a compute-bound CPU, or at a large batch, the extra positions cost real
-time. The governor measures both: it alternates windows of steps with drafting on and off,
-compares emitted tokens per second, and keeps drafting off (for a doubling number of
-windows) while plain decoding is faster, so the engine with speculation is not slower than
-without it, up to the probing windows.
+time. The governor measures both and keeps the faster.
+
+It probes in pairs: drafting alternates on and off step by step until each mode has `probe`
+decode steps timed, so both are timed on the same batch (a batch shrinks as requests finish
+and grows as they join: windows of one mode after the other compared different batches).
+A step with prefill work says nothing about drafting and is not counted; a drafting step in
+which no request had a draft is a plain step (early in a request, before anything repeats,
+that is most of them, and they need no forced plain steps). Then the faster mode holds:
+drafting for HOLD_ON steps before the next probe, plain decoding for a stretch that doubles
+while it keeps winning (up to MAX_OFF). A poor case is switched off after `probe` verify
+steps; a good one loses at most the probe's plain steps.
 """
 
 from __future__ import annotations
 
-WINDOW = 16  # steps per measurement window
-RECHECK = 8  # after this many winning speculative windows, measure plain decoding again
-MAX_OFF = 32  # longest stretch of windows with drafting off before probing again
+PROBE = 4  # decode steps of each mode per probe
+HOLD_ON = 64  # steps drafting holds after winning a probe
+FIRST_OFF = 16  # steps plain decoding holds after winning a probe (doubling while it wins)
+MAX_OFF = 512
 
 
 class SpeedGovernor:
-    def __init__(self, window: int = WINDOW) -> None:
-        self.window = window
-        self.drafting = True  # the mode of the current window
-        self._steps = 0
-        self._seconds = 0.0
-        self._tokens = 0
-        self.rate = {True: 0.0, False: 0.0}  # emitted tokens/s of the last window of each mode
-        self._off_windows = 0  # windows of plain decoding still to go before probing
-        self._off_length = 1
-        self._wins = 0
+    def __init__(self, probe: int = PROBE, hold_on: int = HOLD_ON, first_off: int = FIRST_OFF,
+                 max_off: int = MAX_OFF) -> None:
+        self.probe, self.hold_on, self.first_off, self.max_off = probe, hold_on, first_off, max_off
+        self.drafting = True  # the mode of the next step
+        self.probing = True
+        self.rate = {True: 0.0, False: 0.0}  # emitted tokens/s of each mode in the last probe
+        self._seconds = {True: 0.0, False: 0.0}
+        self._tokens = {True: 0, False: 0}
+        self._steps = {True: 0, False: 0}
+        self._hold = 0  # steps left in the current mode (not probing)
+        self._off_length = first_off
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        """One step of the current mode: its wall time and the tokens it emitted."""
-        self._steps += 1
-        self._seconds += seconds
-        self._tokens += tokens
-        if self._steps >= self.window:
-            self._end_window()
+    def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
+        """One step: its wall time, the tokens it emitted, whether it had no prefill work and
+        whether it verified any draft (None: it did exactly when drafting was on). A step
+        with prefill work is not a measurement, and a drafting step that found nothing to
+        draft measures plain decoding (with the drafter's host cost in it)."""
+        if not self.probing:
+            self._hold -= 1
+            if self._hold <= 0:
+                self._start_probe()
+            return
+        if not decode_only:
+            return
+        mode = self.drafting if verified is None else verified
+        self._seconds[mode] += seconds
+        self._tokens[mode] += tokens
+        self._steps[mode] += 1
+        if min(self._steps.values()) >= self.probe:
+            self._decide()
+        elif self._steps[True] >= self.probe:
+            self.drafting = False
+        elif self._steps[False] >= self.probe:
+            self.drafting = True
+        else:  # both modes short of samples: alternate, so they are timed on the same batch
+            self.drafting = not mode
 
-    def _end_window(self) -> None:
-        rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
-        self.rate[self.drafting] = rate
-        self._steps, self._seconds, self._tokens = 0, 0.0, 0
+    def _start_probe(self) -> None:
+        self.probing, self.drafting = True, True
+        for mode in (True, False):
+            self._seconds[mode], self._tokens[mode], self._steps[mode] = 0.0, 0, 0
+
+    def _decide(self) -> None:
+        for mode in (True, False):
+            self.rate[mode] = self._tokens[mode] / self._seconds[mode] if self._seconds[mode] > 0 else 0.0
+        self.probing = False
+        self.drafting = self.rate[True] >= self.rate[False]
         if self.drafting:
-            if not self.rate[False]:  # no baseline yet: measure plain decoding next
-                self.drafting = False
-                self._off_windows = 1
-            elif rate < self.rate[False]:  # slower than plain: off, for longer each time
-                self.drafting = False
-                self._off_windows = self._off_length
-                self._off_length = min(2 * self._off_length, MAX_OFF)
-            else:
-                self._wins += 1
-                if self._wins >= RECHECK:  # conditions drift (batch size, lengths): re-measure
-                    self._wins = 0
-                    self.drafting, self._off_windows = False, 1
+            self._hold, self._off_length = self.hold_on, self.first_off
         else:
-            self._off_windows -= 1
-            if self._off_windows <= 0:
-                self.drafting = True
-                if self.rate[True] >= rate:
-                    self._off_length = 1
+            self._hold = self._off_length
+            self._off_length = min(2 * self._off_length, self.max_off)

@@ -1,50 +1,86 @@
-"""NgramIndex: where each n-gram (n <= max_n) of a growing token sequence last occurred, so
-a drafter finds "the last time these n tokens appeared, what came next" in O(max_n) dict
-look-ups per step instead of a scan of the sequence.
+"""ContinuationIndex: for every n-gram (n <= max_n) of the sequences added to it, how often
+each token followed it, so a drafter reads "what came after these n tokens, and how often"
+with one dict look-up per n, however many sequences the counts come from.
 
-An n-gram is indexed once a token follows it (its continuation exists), so the sequence's
-own current suffix never matches itself.
+An n-gram is keyed by a 64-bit hash built from its last token backward, one multiply per
+token, so the keys of the suffixes of lengths 1..max_n at a position cost max_n steps in
+all (no tuples), and a look-up walks the lengths upward, stopping at the first suffix never
+seen (no longer one can have been). Two n-grams sharing a hash would only merge their
+counts: a worse draft, never a wrong output (verification decides).
+
+A position is counted once its token is known (it is the continuation of the n-grams ending
+before it), so a sequence's current suffix never matches itself. Each n-gram's counts are
+kept in recency order (a continuation seen again moves to the end): the last one is the
+latest continuation, which a point-mass draft follows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+Counts = dict[int, int]  # next token -> times it followed the n-gram (latest last)
 
-class NgramIndex:
-    __slots__ = ("max_n", "tokens", "_last", "_indexed")
+_MASK64 = (1 << 64) - 1
+_MULT = 0x9E3779B97F4A7C15  # odd: multiplying is a bijection mod 2**64
+
+
+class ContinuationIndex:
+    __slots__ = ("max_n", "_next")
 
     def __init__(self, max_n: int) -> None:
         self.max_n = max_n
-        self.tokens: list[int] = []
-        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest indexed occurrence
-        self._indexed = 0  # n-grams ending at positions < this are indexed
+        self._next: dict[int, Counts] = {}
 
-    def sync(self, *parts: Sequence[int]) -> None:
-        """Catch up with the sequence `parts` concatenate to (the same sequence, grown since
-        the last call): a request passes its prompt and its output, uncopied."""
-        have = len(self.tokens)
-        for part in parts:
-            if have < len(part):
-                self.tokens.extend(part[have:])
-            have = max(have - len(part), 0)
-        t, last, max_n = self.tokens, self._last, self.max_n
-        for end in range(self._indexed + 1, len(t)):  # n-grams t[end-n:end] with t[end] after them
-            for n in range(1, min(max_n, end) + 1):
-                last[tuple(t[end - n : end])] = end - n
-        self._indexed = max(self._indexed, len(t) - 1)
+    def __len__(self) -> int:
+        return len(self._next)
 
-    def continuation(self, key: tuple[int, ...], k: int, own: bool = False) -> list[int]:
-        """Up to k tokens that followed the latest indexed occurrence of `key` ([] if none).
-        own=True: `key` is this sequence's own suffix, so a continuation that runs into the
-        end goes on with itself (a repeating pattern repeats: the copy the draft predicts)."""
-        start = self._last.get(key)
-        if start is None:
-            return []
-        at = start + len(key)
-        out = self.tokens[at : at + k]
-        if own:
-            end = len(self.tokens)
-            while len(out) < k:  # position at + len(out) >= end: the draft's own earlier token
-                out.append(out[at + len(out) - end])
-        return out
+    def add(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Count tokens[i], for start <= i < end, as the continuation of each n-gram that ends
+        just before it."""
+        table, max_n = self._next, self.max_n
+        for i in range(max(start, 1), end):
+            token, h = tokens[i], 0
+            for j in range(i - 1, max(i - max_n, 0) - 1, -1):  # the suffixes of tokens[:i], shortest first
+                h = ((h ^ (tokens[j] + 1)) * _MULT) & _MASK64
+                counts = table.get(h)
+                if counts is None:
+                    table[h] = {token: 1}
+                else:
+                    counts[token] = counts.pop(token, 0) + 1  # re-inserted: the latest goes last
+
+    def remove(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Undo `add(tokens, start, end)` (a sequence leaving: evicted, aborted, retracted)."""
+        table, max_n = self._next, self.max_n
+        for i in range(max(start, 1), end):
+            token, h = tokens[i], 0
+            for j in range(i - 1, max(i - max_n, 0) - 1, -1):
+                h = ((h ^ (tokens[j] + 1)) * _MULT) & _MASK64
+                counts = table.get(h)
+                if counts is None or token not in counts:
+                    continue  # never added (a caller's mismatch must not raise mid-step)
+                if counts[token] > 1:
+                    counts[token] -= 1
+                elif len(counts) > 1:
+                    del counts[token]
+                else:
+                    del table[h]
+
+    def matches(self, context: Sequence[int], min_n: int) -> list[Counts]:
+        """Continuation counts after the context's suffixes of length >= min_n, longest first."""
+        table, found, h = self._next, [], 0
+        for n in range(1, min(self.max_n, len(context)) + 1):
+            h = ((h ^ (context[-n] + 1)) * _MULT) & _MASK64
+            counts = table.get(h)
+            if counts is None:
+                break  # never seen: no longer suffix was either
+            if n >= min_n:
+                found.append(counts)
+        found.reverse()
+        return found
+
+    def counts(self, ngram: Sequence[int]) -> Counts | None:
+        """What followed exactly `ngram` (inspection and tests)."""
+        h = 0
+        for token in reversed(ngram):
+            h = ((h ^ (token + 1)) * _MULT) & _MASK64
+        return self._next.get(h)

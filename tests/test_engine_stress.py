@@ -80,6 +80,8 @@ def _run_workload(llama: TinyModel, seed: int, mode: str):
     assert tight.kv.req_table.num_free == tight.kv.req_table.max_requests, "request rows leaked"
     if tight.draft is not None:
         assert tight.draft.pool.allocator.num_free_slots == tight.draft.capacity, "draft KV leaked"
+    if mode == "suffix":  # aborted and retracted samples took their counts with them
+        assert tight.drafter.tracked_requests() == 0
     return tight.counters
 
 

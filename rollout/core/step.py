@@ -87,6 +87,10 @@ class StepLoop:
             self.drafter.propose_all(self.scheduler.running)
             _trim_drafts_to_grammar(self.scheduler.running)
         batch = self.scheduler.schedule()
+        decode_only = verified = False  # for the governor: a step without prefill work, and one verifying drafts
+        if self.drafter is not None and batch is not None:
+            decode_only = batch.decode_only()
+            verified = decode_only and any(r.draft_tokens for r in batch.reqs)
         forwarded = self.forward(batch, version) if batch is not None else None
         if self.overlap:
             previous, self.inflight = self.inflight, None
@@ -103,7 +107,8 @@ class StepLoop:
         if batch is not None:
             self.counters.steps += 1
             if self.drafter is not None:  # overlap is off: this step's tokens are read back
-                self.drafter.observe_speed(time.perf_counter() - start, self.counters.generated_tokens - generated)
+                self.drafter.observe_speed(time.perf_counter() - start, self.counters.generated_tokens - generated,
+                                           decode_only, verified)
         elif self.scheduler.waiting:
             self._wait_for_grammars()
         return finished

@@ -83,6 +83,12 @@ def test_bench_spec_gpu_table_smoke_on_cpu() -> None:
         assert line in text, text[-1500:]
 
 
+def test_bench_spec_host_cost_smoke() -> None:
+    text = _run("scripts.bench_spec", "--host-only", "--host-steps", "2")
+    rows = [line for line in text.splitlines() if line.startswith(("ngram", "suffix")) and "|" in line]
+    assert [r.split("|")[0].strip() for r in rows] == ["ngram point", "ngram coupled", "suffix point", "suffix coupled"]
+
+
 def test_bench_client_smoke_on_cpu() -> None:
     text = _run("scripts.bench_client", "--device", "cpu", "--shape", "tiny", "--batches", "1", "4",
                 "--input-len", "16", "--output-len", "8", "--repeats", "2")

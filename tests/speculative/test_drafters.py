@@ -1,14 +1,16 @@
-"""Drafters without a model: the n-gram index, prompt lookup, the suffix drafter's siblings
-and history (bounded, keyed by prompt and adapter, kept or cleared on update), and the
-per-request draft length policy."""
+"""Drafters without a model: the continuation index, prompt lookup, the suffix drafter's
+siblings and history (one index per prompt, bounded, keyed by prompt and adapter, kept or
+cleared on update, members that leave take their counts with them), the per-request draft
+length policy and the governor."""
 
 from __future__ import annotations
 
 from rollout.request import Req, SamplingParams
 from speculative.base import PAUSE_STEPS
-from speculative.index import NgramIndex
+from speculative.groups import HISTORY_PER_PROMPT
+from speculative.index import ContinuationIndex
 from speculative.ngram import NgramDrafter
-from speculative.suffix import History, SuffixDrafter
+from speculative.suffix import SuffixDrafter
 
 
 def _req(prompt: list[int], output: list[int], rid: str = "r", lora: str | None = None, max_new: int = 64) -> Req:
@@ -18,13 +20,17 @@ def _req(prompt: list[int], output: list[int], rid: str = "r", lora: str | None 
     return req
 
 
-def test_index_never_matches_the_current_suffix_and_keeps_the_latest_occurrence() -> None:
-    index = NgramIndex(3)
-    index.sync([1, 2, 3], [1, 2, 4, 1, 2])
-    assert index.continuation((1, 2), 3) == [4, 1, 2]  # the latest earlier occurrence, not the suffix
-    assert index.continuation((4, 1, 2), 2) == []  # only the current suffix: no continuation yet
-    index.sync([1, 2, 3], [1, 2, 4, 1, 2, 9])
-    assert index.continuation((1, 2), 1) == [9]
+def test_index_never_matches_the_current_suffix_and_orders_continuations_by_recency() -> None:
+    index = ContinuationIndex(3)
+    seq = [1, 2, 3, 1, 2, 4, 1, 2]
+    index.add(seq, 0, len(seq))
+    assert index.counts((1, 2)) == {3: 1, 4: 1} and list(index.counts((1, 2)))[-1] == 4  # the latest last
+    assert index.counts((4, 1, 2)) is None  # only the current suffix: no continuation yet
+    seq.append(3)
+    index.add(seq, len(seq) - 1, len(seq))
+    assert index.counts((1, 2)) == {4: 1, 3: 2} and list(index.counts((1, 2)))[-1] == 3, "seen again: latest again"
+    index.remove(seq, 0, len(seq))
+    assert len(index) == 0, "removing what was added leaves nothing"
 
 
 def test_ngram_drafter_prefers_the_longest_match() -> None:
@@ -84,34 +90,94 @@ def test_suffix_drafter_uses_siblings_and_history_of_the_same_prompt_only() -> N
 
 
 def test_history_is_bounded_and_cleared_on_update_when_asked() -> None:
-    history = History(max_tokens=20)
-    for i in range(5):
-        history.add(("k", i), list(range(8)))
-    assert history.num_tokens <= 20 and history.get(("k", 0)) == [] and history.get(("k", 4))
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=20)
+    for i in range(5):  # five prompts of 1 + 8 tokens: the bound keeps the newest two
+        drafter.observe_finished(_req([100 + i], list(range(8)), rid=f"p{i}"))
+    history = drafter.history
+    assert history.num_tokens <= 20 and history.responses(_req([100], [])) == [] and history.responses(_req([104], []))
+    for prompt, drafts in (([100], []), ([104], [4, 5, 6, 7])):  # the evicted prompt's counts left with it
+        req = _req(prompt, [0, 1, 2, 3], rid=f"after{prompt[0]}")
+        drafter.propose_all([req])
+        assert req.draft_tokens == drafts
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000)
+    for i in range(HISTORY_PER_PROMPT + 3):  # per prompt: the newest HISTORY_PER_PROMPT responses
+        drafter.observe_finished(_req([7], [1, 2], rid=f"same{i}"))
+    assert len(drafter.history.responses(_req([7], []))) == HISTORY_PER_PROMPT
+    assert drafter.history.group(_req([7], [])).index.counts((7, 1)) == {2: HISTORY_PER_PROMPT}
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000, keep_on_update=False)
     drafter.observe_finished(_req([1], [2, 3, 4]))
     drafter.on_weight_update()
     assert drafter.history.num_tokens == 0
+    after = _req([1], [2, 3], rid="after")
+    drafter.propose_all([after])
+    assert after.draft_tokens == [], "cleared: the earlier rollout drafts no more"
     keep = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000, keep_on_update=True)
     keep.observe_finished(_req([1], [2, 3, 4]))
     keep.on_weight_update()
     assert keep.history.num_tokens == 4
 
 
+def test_siblings_that_stop_running_take_their_counts_and_finished_ones_stay() -> None:
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000)
+    prompt = [50, 51]
+    aborted = _req(prompt, [1, 2, 3, 4], rid="aborted")
+    finishing = _req(prompt, [1, 2, 5, 6], rid="finishing")
+    me = _req(prompt, [9, 1, 2], rid="me")
+    drafter.propose_all([aborted, finishing, me])
+    group = drafter.history.group(me)
+    assert group.index.counts((1, 2)) == {3: 1, 5: 1} and set(group.members) == {aborted, finishing, me}
+    finishing.finish_reason = "length"
+    drafter.observe_finished(finishing)
+    drafter.propose_all([me])  # `aborted` is gone without finishing (an abort, a retraction)
+    assert group.index.counts((1, 2)) == {5: 1}, "the aborted sample's counts left; the finished one is history"
+    assert me.draft_tokens == [5, 6] and set(group.members) == {me}
+
+
+def test_a_sample_whose_prompt_is_evicted_while_it_runs_recounts_and_still_becomes_history() -> None:
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=12)
+    running = _req([1], [5, 6, 7], rid="running")
+    drafter.propose_all([running])
+    first = drafter.history.group(running)
+    for i in range(3):  # other prompts' rollouts: the least recently used group goes first
+        drafter.observe_finished(_req([50 + i], [1, 2, 3, 4, 5], rid=f"other{i}"))
+    assert first.evicted
+    running.output_ids += [5, 6]
+    running.num_computed_tokens += 2
+    drafter.propose_all([running])
+    assert running.draft_tokens[:1] == [7], "its own tokens were counted again in a fresh group"
+    assert drafter.history.group(running) is not first
+    running.finish_reason = "length"
+    drafter.observe_finished(running)
+    assert drafter.history.responses(running) == [[5, 6, 7, 5, 6]] and drafter.tracked_requests() == 0
+
+
 def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_again() -> None:
+    """Paired probes: drafting alternates on and off step by step (prefill steps are not
+    measurements), the faster mode then holds; plain decoding's holds double while it wins."""
     from speculative.governor import SpeedGovernor
 
-    gov = SpeedGovernor(window=2)
+    gov = SpeedGovernor(probe=2, hold_on=6, first_off=4, max_off=16)
 
-    def run(windows: int, spec_rate: float, plain_rate: float) -> list[bool]:
+    def run(steps: int, spec_rate: float, plain_rate: float) -> list[bool]:
         modes = []
-        for _ in range(windows * 2):
+        for _ in range(steps):
             modes.append(gov.drafting)
             gov.observe(1.0, int(spec_rate if gov.drafting else plain_rate))
-        return modes[::2]
+        return modes
 
-    assert run(2, 100, 50) == [True, False]  # first speculative window, then the baseline
-    assert run(3, 100, 50) == [True, True, True], "speculation wins: it stays on"
-    modes = run(12, 30, 50)  # conditions change: now plain decoding is faster
-    assert modes.count(False) > modes.count(True) >= 2, modes  # off most of the time, probed now and then
-    assert run(12, 100, 50)[-4:] == [True] * 4, "when speculation wins again it comes back"
+    gov.observe(5.0, 3, decode_only=False)  # a prefill step: no measurement, the probe starts after it
+    assert run(4, 100, 50) == [True, False, True, False], "the probe alternates, on the same batch"
+    assert run(6, 100, 50) == [True] * 6, "speculation won: it holds"
+    modes = run(60, 30, 50)  # conditions change: now plain decoding is faster
+    assert modes[:4] == [True, False, True, False] and modes[4:8] == [False] * 4, modes[:8]
+    assert modes.count(False) > 3 * modes.count(True) and modes.count(True) >= 6, modes  # probed now and then
+    back = run(60, 100, 50)[-30:]  # when speculation wins again it comes back (probed every 10 steps)
+    assert back.count(True) >= 24 and back[-10:].count(True) >= 8, back
+
+    early = SpeedGovernor(probe=2, hold_on=6, first_off=4)
+    for _ in range(5):  # drafting on, but nothing repeats yet: these steps are plain decoding's
+        early.observe(1.0, 50, verified=False)
+    assert early.drafting and early.probing, "no forced plain steps while nothing is drafted"
+    early.observe(1.0, 100, verified=True)
+    early.observe(1.0, 100, verified=True)
+    assert early.drafting and not early.probing and early.rate == {True: 100.0, False: 50.0}

@@ -124,3 +124,42 @@ def test_lora_requests_and_weight_updates_keep_outputs_exact(llama: TinyModel) -
         plain.update_weights(weights)
         spec.update_weights(weights)
     assert spec.counters.accepted_tokens > 0
+
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_sampled_outputs_with_coupled_drafts_equal_plain_decoding(llama: TinyModel, drafter: str, monkeypatch) -> None:
+    """Coupled drafts (the sampler's own noise raced over the history's counts) change what
+    is proposed, never what is emitted: GRPO-like epochs (n = 8; temperature 0.3, then with
+    top-k / top-p, then temperature 1 with min-p; the suffix drafter's history warm from the
+    earlier ones) give plain decoding's tokens and log-probs, the race really ran over
+    several candidates, and from the suffix drafter's history of samples it was accepted far
+    more often than point-mass drafts of the same history (the same engine with
+    `coupled=False`; n-gram lookup has only the request's own tokens to count, about as
+    good either way here)."""
+    import speculative.choice as choice
+
+    races = []
+    real = choice.coupled
+    monkeypatch.setattr(choice, "coupled", lambda levels, key: races.append(len(choice.blended(levels))) or real(levels, key))
+    prompts = _repetitive(llama.vocab_size, 4, seed=75)
+    epochs = [SamplingParams(temperature=0.3, max_new_tokens=24, seed=0, n=8, ignore_eos=True),
+              SamplingParams(temperature=0.3, max_new_tokens=24, seed=1, n=8, ignore_eos=True, top_k=40, top_p=0.9),
+              SamplingParams(temperature=1.0, max_new_tokens=24, seed=2, n=8, ignore_eos=True, min_p=0.05)]
+    plain = Engine(EngineConfig(model=llama.path))
+    want = [plain.generate(input_ids=prompts, sampling_params=params) for params in epochs]
+    accepted = {}
+    for coupled in (True, False):
+        spec = Engine(EngineConfig(model=llama.path, speculative=drafter, speculative_governor=False))
+        spec.drafter.coupled = coupled
+        for params, a in zip(epochs, want):
+            b = spec.generate(input_ids=prompts, sampling_params=params)
+            assert [o.token_ids for o in b] == [o.token_ids for o in a]
+            for x, y in zip(a, b):
+                assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+        accepted[coupled] = spec.counters.accepted_tokens
+        if coupled:
+            assert sum(n > 1 for n in races) > 20, "the coupled race ran over several candidates"
+    assert min(accepted.values()) > 0, accepted
+    if drafter == "suffix":
+        assert accepted[True] > 1.5 * accepted[False], accepted

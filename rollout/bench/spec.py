@@ -1,0 +1,228 @@
+"""Speculative decoding benchmark helpers (scripts/bench_spec.py): the H200 projection from
+the measured verify-step costs, and the drafter's host cost on a synthetic GRPO batch.
+
+The projection is arithmetic on a table, not a measurement: at a mean accepted length a per
+verify step, a step emits 1 + min(a, k) tokens per request and costs the verify step of k
+drafts; the speedup is the best k's tokens per ms over plain decoding's (overlap on), as in
+BENCHMARKS.md ("Speedup over plain decoding ... from the first call's table"). It leaves out
+the drafter's host time, which runs in series with the device while speculating (overlap is
+off): `host_cost` measures it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from rollout.request import Req, SamplingParams
+from speculative.noise import position_key, race_noise
+
+# H200, Llama-3.1-8B shape, bf16, ms per step (BENCHMARKS.md, "verify-step cost against a
+# decode step", first call, 2026-12-01): batch -> (decode with overlap on, verify k = 1..4
+# as decode rows in a CUDA graph)
+H200_STEP_MS: dict[int, tuple[float, tuple[float, ...]]] = {
+    1: (5.76, (6.78, 6.29, 6.28, 6.33)),
+    16: (6.31, (7.16, 8.67, 7.96, 8.47)),
+    64: (8.63, (11.41, 14.77, 15.56, 17.68)),
+}
+
+
+def _table_speedup(accepted: float, batch: int) -> float:
+    decode, verify = H200_STEP_MS[batch]
+    return max((1 + min(accepted, k)) * decode / ms for k, ms in enumerate(verify, start=1))
+
+
+def projected_speedup(accepted: float, batch: int) -> float:
+    """H200 speedup over plain decoding projected from the verify-cost table at a mean
+    accepted length per verify step; batches between the table's rows interpolate in
+    log2(batch). A projection: it assumes the CPU's acceptance carries over to the 8B model."""
+    rows = sorted(H200_STEP_MS)
+    if batch <= rows[0] or batch >= rows[-1]:
+        return _table_speedup(accepted, min(max(batch, rows[0]), rows[-1]))
+    hi = next(b for b in rows if b >= batch)
+    lo = max(b for b in rows if b <= batch)
+    if hi == lo:
+        return _table_speedup(accepted, lo)
+    t = (math.log2(batch) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return (1 - t) * _table_speedup(accepted, lo) + t * _table_speedup(accepted, hi)
+
+
+@dataclass(frozen=True)
+class HostCost:
+    ms_per_step: float  # propose_all (sync of the new tokens + every request's drafts)
+    drafted_per_step: float
+    accepted_per_verify: float
+
+
+class _Chain:
+    """A sparse random Markov chain standing in for the policy: each token has four likely
+    successors, so samples share n-grams and branch as model samples do. It draws as the
+    engine's sampler does (the exponential race with the request's seeded noise), so
+    coupled drafts meet the noise they were chosen for."""
+
+    WEIGHTS = (0.55, 0.25, 0.12, 0.08)
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.vocab, self.seed = vocab, seed
+        self._next: dict[int, list[int]] = {}
+        self._log_w = [math.log(w) for w in self.WEIGHTS]
+
+    def draw(self, token: int, seed: int, position: int) -> int:
+        succ = self._next.get(token)
+        if succ is None:
+            succ = self._next[token] = random.Random(self.seed * 1_000_003 + token).sample(range(self.vocab), 4)
+        key = position_key(seed, position)
+        return max(zip(succ, self._log_w), key=lambda s: s[1] + race_noise(key, s[0]))[0]
+
+    def extend(self, req: Req, length: int) -> list[int]:
+        """`length` tokens drawn after the request's sequence, at its next positions."""
+        out, token, at = [], (req.output_ids or req.prompt_ids)[-1], req.known_len
+        for j in range(length):
+            token = self.draw(token, req.seed, at + j)
+            out.append(token)
+        return out
+
+
+def host_cost(drafter_factory, prompts: int = 8, siblings: int = 8, history: int = 16, prompt_len: int = 200,
+              response_len: int = 256, steps: int = 64, seed: int = 0) -> HostCost:
+    """Time a drafter's per-step host work at batch prompts x siblings (64 by default), each
+    prompt with `history` finished responses, the running samples half way through theirs,
+    at temperature 1, drafting and verifying against the chain. What is timed is only
+    `propose_all` (indexing the step's new tokens, then every request's drafts)."""
+    rng = random.Random(seed)
+    chain = _Chain(512, seed)
+    drafter = drafter_factory()
+    drafter.governor = None
+    running: list[Req] = []
+    for p in range(prompts):
+        prompt = [rng.randrange(49_152) for _ in range(prompt_len)]
+        for h in range(history):
+            done = Req(rid=f"h{p}.{h}", prompt_ids=prompt, params=SamplingParams(), seed=rng.getrandbits(63))
+            done.output_ids = chain.extend(done, response_len)
+            drafter.observe_finished(done)
+        for s in range(siblings):
+            req = Req(rid=f"r{p}.{s}", prompt_ids=prompt, params=SamplingParams(max_new_tokens=10 * response_len),
+                      seed=rng.getrandbits(63))
+            req.output_ids = chain.extend(req, response_len // 2)
+            req.num_computed_tokens = req.seq_len - 1
+            running.append(req)
+    drafter.propose_all(running)  # first sight of the running samples: indexed once, not timed
+    for req in running:
+        req.draft_tokens = []
+    seconds = 0.0
+    drafted = accepted = verifies = 0
+    for _ in range(steps):
+        start = time.perf_counter()
+        drafter.propose_all(running)
+        seconds += time.perf_counter() - start
+        for req in running:
+            drafts, req.draft_tokens = req.draft_tokens, []
+            emitted: list[int] = []
+            for d in [*drafts, None]:  # the target's draws: accepted while they equal the drafts
+                token = chain.draw(emitted[-1] if emitted else req.output_ids[-1], req.seed, req.known_len + len(emitted))
+                emitted.append(token)
+                if token != d:
+                    break
+            if drafts:
+                drafted += len(drafts)
+                accepted += len(emitted) - 1
+                verifies += 1
+                drafter.observe_step(req, len(drafts), len(emitted) - 1)
+            req.output_ids.extend(emitted)
+            req.num_computed_tokens = req.seq_len - 1
+    return HostCost(1e3 * seconds / steps, drafted / steps, accepted / max(verifies, 1))
+
+
+class WindowedGovernor:
+    """The governor before paired probes (kept here only to measure against): windows of 16
+    steps, drafting then plain decoding, every step counted (prefill ones too); drafting off
+    for a doubling number of windows while the last plain window was faster."""
+
+    def __init__(self, window: int = 16) -> None:
+        self.window, self.drafting = window, True
+        self._steps, self._seconds, self._tokens = 0, 0.0, 0
+        self.rate = {True: 0.0, False: 0.0}
+        self._off_windows, self._off_length, self._wins = 0, 1, 0
+
+    def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
+        self._steps, self._seconds, self._tokens = self._steps + 1, self._seconds + seconds, self._tokens + tokens
+        if self._steps < self.window:
+            return
+        rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
+        self.rate[self.drafting] = rate
+        self._steps, self._seconds, self._tokens = 0, 0.0, 0
+        if self.drafting:
+            if not self.rate[False]:
+                self.drafting, self._off_windows = False, 1
+            elif rate < self.rate[False]:
+                self.drafting, self._off_windows = False, self._off_length
+                self._off_length = min(2 * self._off_length, 32)
+            else:
+                self._wins += 1
+                if self._wins >= 8:
+                    self._wins, self.drafting, self._off_windows = 0, False, 1
+        else:
+            self._off_windows -= 1
+            if self._off_windows <= 0:
+                self.drafting = True
+                if self.rate[True] >= rate:
+                    self._off_length = 1
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    seed: int  # the sample's own seed (derive_seed of the request's seed and sample index)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """One draft at every position of a second epoch, from the true context: where
+    acceptance is lost before any choice is made (no timing, no draft lengths)."""
+
+    positions: int  # response positions after the first (which the prompt's step samples)
+    matched: int  # the context's last >= 2 tokens occur in the prompt's sequences
+    in_support: int  # ... and the token drawn there is among the counted continuations
+    coupled: int  # the coupled draft is the token drawn
+    point: int  # the point-mass draft (the latest continuation) is the token drawn
+
+
+def draft_coverage(first: list[Sample], second: list[Sample], temperature: float) -> Coverage:
+    """The suffix drafter with `first` as history and the samples of `second` running in
+    lockstep (position t of every sample drafted from tokens[:t], siblings up to t too;
+    those shorter than t finished into the history): what one draft would hit."""
+    from speculative.choice import blended
+    from speculative.ngram import last_tokens
+    from speculative.suffix import MAX_MATCH, MIN_MATCH, SuffixDrafter
+
+    drafter = SuffixDrafter(1, 1 << 30, 1 << 40)
+    params = SamplingParams(temperature=temperature)
+    for s in first:
+        done = Req(rid="h", prompt_ids=s.prompt_ids, params=params, seed=s.seed)
+        done.output_ids = list(s.token_ids)
+        drafter.observe_finished(done)
+    live = [(Req(rid=f"r{i}", prompt_ids=s.prompt_ids, params=params, seed=s.seed), s) for i, s in enumerate(second)]
+    positions = matched = in_support = coupled = point = 0
+    for t in range(1, max(len(s.token_ids) for s in second)):
+        for req, s in live:
+            req.output_ids = list(s.token_ids[:t])
+            if len(s.token_ids) == t:
+                drafter.observe_finished(req)
+        live = [(req, s) for req, s in live if len(s.token_ids) > t]
+        drafter.begin_step([req for req, _ in live])
+        for req, s in live:
+            drawn = s.token_ids[t]
+            positions += 1
+            levels = drafter.history.group(req).index.matches(last_tokens(req, MAX_MATCH), MIN_MATCH)
+            if not levels:
+                continue
+            matched += 1
+            in_support += drawn in blended(levels)
+            for flag in (True, False):
+                drafter.coupled = flag
+                hit = drafter.propose(req, 1) == [drawn]
+                coupled, point = (coupled + hit, point) if flag else (coupled, point + hit)
+    return Coverage(positions, matched, in_support, coupled, point)

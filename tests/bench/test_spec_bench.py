@@ -1,0 +1,49 @@
+"""The speculative benchmark's helpers (rollout/bench/spec.py): the H200 projection gives
+back the speedup table BENCHMARKS.md derived from the same verify-step costs, and the
+drafters' host-cost workload drafts and verifies (no timing is asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.bench.spec import host_cost, projected_speedup
+from speculative.suffix import SuffixDrafter
+
+
+@pytest.mark.parametrize(("accepted", "batch", "want"), [
+    (0.5, 1, 1.38), (1.0, 1, 1.83), (2.0, 1, 2.75), (3.0, 1, 3.67),
+    (1.0, 16, 1.76), (2.0, 16, 2.38),
+    (0.5, 64, 1.13), (1.0, 64, 1.51), (2.0, 64, 1.75), (3.0, 64, 2.22),
+])
+def test_projection_reproduces_the_benchmarks_table(accepted: float, batch: int, want: float) -> None:
+    assert projected_speedup(accepted, batch) == pytest.approx(want, abs=0.005)
+
+
+def test_projection_interpolates_between_batches_and_clamps_outside() -> None:
+    at_32 = projected_speedup(1.0, 32)
+    assert projected_speedup(1.0, 64) < at_32 < projected_speedup(1.0, 16)
+    assert at_32 == pytest.approx((projected_speedup(1.0, 16) + projected_speedup(1.0, 64)) / 2)
+    assert projected_speedup(1.0, 256) == projected_speedup(1.0, 64)
+    assert projected_speedup(0.0, 1) < 1.0, "no acceptance: a verify step costs more than a decode"
+
+
+def test_host_cost_workload_drafts_and_accepts() -> None:
+    small = dict(prompts=4, siblings=8, history=16, prompt_len=20, response_len=128, steps=16)
+    point = host_cost(lambda: SuffixDrafter(4, 1 << 20, 1_000_000, coupled=False), **small)
+    coupled = host_cost(lambda: SuffixDrafter(4, 1 << 20, 1_000_000), **small)
+    assert point.drafted_per_step > 0 and coupled.drafted_per_step > 0
+    assert coupled.accepted_per_verify > point.accepted_per_verify, "the synthetic policy draws with the real noise"
+
+
+def test_draft_coverage_counts_matches_support_and_hits() -> None:
+    from rollout.bench.spec import Sample, draft_coverage
+
+    prompt = [1, 2, 3]
+    first = [Sample(prompt, [10, 11, 12, 13], seed=1), Sample(prompt, [10, 11, 14, 15], seed=2)]
+    second = [Sample(prompt, [10, 11, 12, 13], seed=3), Sample(prompt, [20, 21], seed=4)]
+    c = draft_coverage(first, second, temperature=1.0)
+    # positions 1..3 of the first sample (all matched, each draw among the continuations) and
+    # position 1 of the second ((3, 20) never occurred: no match)
+    assert (c.positions, c.matched, c.in_support) == (4, 3, 3)
+    assert c.point == 2, "after (10, 11) the latest continuation is 14, not the 12 drawn"
+    assert c.coupled >= 2
