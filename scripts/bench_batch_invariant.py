@@ -4,17 +4,19 @@ the Llama-3.1-8B projections at decode and prefill row counts, for the shipped t
 for; the sum over one decode step (32 layers x 4 projections + the lm_head) and over one
 8192-token prefill chunk (the projections only: the lm_head sees one row per request); and
 whether each config's row computed alone equals the shipped choice's row inside the largest
-call (the property every config must keep; cuBLAS's own row in its largest call for cuBLAS).
+call (the property every config must keep; cuBLAS's own row in its largest call for cuBLAS,
+and the same for "before": the kernel with the whole K loop in one program, no chunks).
 
     python -m scripts.bench_batch_invariant [--rows 1 16 64 256 512 8192]
 
-Times are triton.testing.do_bench medians (L2 flushed between calls, as a decode step's
-weights come from HBM).
+Times are medians over CUDA graph replays, each call on its own copy of the weight (so the
+weight comes from HBM, as in a decode step, and Python's launch cost is not timed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +24,53 @@ import torch.nn.functional as F
 SHAPES_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
              "lm_head": (4096, 128256)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-# (block_m, block_n, block_k, num_warps, num_stages), and the row counts it is timed at
+# (block_m, block_n, block_k, num_warps, num_stages[, split]), and the row counts it is timed at
+K = 512  # batch_invariant.K_CHUNK, spelled out so that a candidate tuple can name tma after it
 CANDIDATES = [
-    ((16, 16, 64, 4, 8), 1, 16), ((16, 32, 64, 4, 6), 1, 16), ((16, 64, 64, 4, 4), 1, 16), ((16, 16, 64, 4, 4), 1, 16),
-    ((64, 64, 64, 4, 4), 1, 512), ((64, 128, 64, 4, 3), 64, 8192), ((128, 128, 64, 8, 3), 64, 8192),
-    ((128, 256, 64, 8, 3), 256, 8192),
+    ((16, 16, 64, 4, 8), 1, 16), ((16, 32, 64, 4, 6), 1, 16), ((16, 32, 256, 4, 3), 1, 16),
+    ((16, 64, 128, 4, 3, True), 1, 16), ((16, 32, 256, 4, 2, True), 1, 16),
+    ((64, 64, 64, 4, 4), 1, 512), ((64, 64, 64, 4, 4, True), 1, 256), ((64, 64, 128, 4, 3), 32, 512),
+    ((64, 128, 64, 4, 3), 32, 8192), ((64, 128, 128, 4, 3), 32, 512), ((128, 64, 128, 4, 3), 32, 512),
+    ((128, 128, 64, 8, 3), 64, 8192), ((128, 128, 128, 8, 3), 64, 8192),
+    ((128, 256, 64, 8, 3), 256, 8192), ((256, 128, 64, 8, 3), 512, 8192),
+    # X and W tiles by TMA descriptors
+    ((64, 64, 128, 4, 3, False, K, True), 32, 512), ((64, 128, 128, 4, 3, False, K, True), 32, 512),
+    ((128, 64, 128, 4, 3, False, K, True), 64, 512), ((64, 128, 64, 4, 4, False, K, True), 32, 8192),
+    ((128, 128, 64, 8, 4, False, K, True), 64, 8192), ((128, 128, 128, 8, 3, False, K, True), 64, 8192),
+    ((128, 128, 128, 4, 3, False, K, True), 64, 8192), ((128, 256, 64, 8, 3, False, K, True), 256, 8192),
+    ((256, 128, 64, 8, 3, False, K, True), 512, 8192), ((128, 256, 128, 8, 2, False, K, True), 256, 8192),
 ]
+COPIES = 4  # distinct weights per timed graph: 4 x 33-1050 MB, more than the 50 MB L2
 
 
-def time_ms(fn) -> float:
-    from triton.testing import do_bench
+def label_of(c) -> str:
+    return "x".join(map(str, (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages))) + (
+        "/split" if c.split else "") + ("/tma" if c.tma else "")
 
-    return float(do_bench(fn, warmup=5, rep=20))
+
+def time_ms(fn, copies: int) -> float:
+    """ms per call, the calls replayed from one CUDA graph as in a decode step (launch cost
+    from Python would otherwise hide a 20-60 us kernel), each call of the graph on its own
+    copy of the weight (fn(i)) so that the weight streams from HBM, not L2."""
+    for i in range(copies):
+        fn(i)  # compile and warm outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(4):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (4 * copies))
+    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -45,14 +82,29 @@ def main() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     top = max(args.rows)
-    weights = {k: torch.randn(n, kk, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for k, (kk, n) in SHAPES_8B.items()}
+    weights = {k: [torch.randn(n, kk, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(COPIES)]
+               for k, (kk, n) in SHAPES_8B.items()}
     xs = {k: torch.randn(top, kk, device=dev, dtype=torch.bfloat16, generator=g) for k, (kk, _) in SHAPES_8B.items()}
-    labels = ["cuBLAS", "shipped"] + ["x".join(map(str, c)) for c, _, _ in CANDIDATES]
+    labels = ["cuBLAS", "shipped", "before"] + [
+        label_of(bi.TileConfig(*c)) for c, _, _ in CANDIDATES]
+
+    def before(m: int, n: int) -> "bi.TileConfig":
+        # the kernel as it was until K was cut into chunks: the whole K loop in one program
+        if m <= 16:
+            c = bi.TileConfig(16, 16 if n <= 8192 else 32 if n <= 32768 else 64, 64, 4, 8 if n <= 8192 else 6 if n <= 32768 else 4)
+        elif m <= 64 or (m <= 512 and n < 16384):
+            c = bi.TileConfig(64, 64, 64, 4, 4)
+        else:
+            c = bi.TileConfig(128, 128, 64, 8, 3)
+        return dataclasses.replace(c, k_chunk=1 << 30)
 
     def run(label_index: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if label_index == 0:
             return F.linear(x, w)
-        bi.config = bi.TileConfig(*CANDIDATES[label_index - 2][0]) if label_index >= 2 else None
+        if label_index == 2:
+            bi.config = before(x.shape[0], w.shape[0])
+        else:
+            bi.config = bi.TileConfig(*CANDIDATES[label_index - 3][0]) if label_index >= 3 else None
         try:
             return bi.linear(x, w)
         finally:
@@ -61,22 +113,27 @@ def main() -> None:
     table: dict[tuple[str, int], dict[str, float]] = {}
     invariant = {label: True for label in labels}
     shipped_cfg: dict[tuple[str, int], str] = {}
-    for name, w in weights.items():
-        x = xs[name]
+    for name, ws in weights.items():
+        x, w = xs[name], ws[0]
         shipped_full = run(1, x, w)
         invariant["cuBLAS"] &= torch.equal(run(0, x[:1], w)[0], run(0, x, w)[0])
+        invariant["before"] &= torch.equal(run(2, x[:1], w)[0], run(2, x, w)[0])
         for i, label in enumerate(labels[1:], start=1):
-            invariant[label] &= torch.equal(run(i, x[:1], w)[0], shipped_full[0])
+            if i != 2:
+                invariant[label] &= torch.equal(run(i, x[:1], w)[0], shipped_full[0])
         for m in args.rows:
             if name == "lm_head" and m > 512:
                 continue  # prefill computes logits only for the rows that sample
-            c = bi.config_for(m, w.shape[0])
-            shipped_cfg[(name, m)] = f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_warps}w{c.num_stages}s"
+            c = bi.config_for(m, w.shape[0], w.shape[1])
+            shipped_cfg[(name, m)] = label_of(c)
             row = table.setdefault((name, m), {})
             for i, label in enumerate(labels):
-                if i >= 2 and not CANDIDATES[i - 2][1] <= m <= CANDIDATES[i - 2][2]:
+                if i >= 3 and not CANDIDATES[i - 3][1] <= m <= CANDIDATES[i - 3][2]:
                     continue
-                row[label] = time_ms(lambda: run(i, x[:m], w))
+                try:
+                    row[label] = time_ms(lambda j: run(i, x[:m], ws[j]), COPIES)
+                except Exception as e:  # a candidate that does not compile is reported, not fatal
+                    print(f"{name} {m} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         print(f"{name}: done", flush=True)
 
     print("\nms per call (bf16; '-': not timed at that row count)")
@@ -87,15 +144,16 @@ def main() -> None:
 
     print("\nsums (ms): a decode step = 32 x (qkv + o + gate_up + down) + lm_head; a prefill chunk = the same without the lm_head")
     def best(name: str, m: int) -> tuple[float, str]:
-        return min((t, label) for label, t in table[(name, m)].items() if label != "cuBLAS")
+        return min((t, label) for label, t in table[(name, m)].items() if label not in ("cuBLAS", "before"))
 
     for m in args.rows:
         names = [n for n in SHAPES_8B if (n, m) in table]
-        sums = {label: sum(table[(n, m)][label] * PER_STEP[n] for n in names) for label in ("cuBLAS", "shipped")}
+        sums = {label: sum(table[(n, m)][label] * PER_STEP[n] for n in names) for label in ("cuBLAS", "shipped", "before")}
         best_sum = sum(best(n, m)[0] * PER_STEP[n] for n in names)
         picks = ", ".join(f"{n} {best(n, m)[1]}" for n in names)
         print(f"rows {m:>5}: cuBLAS {sums['cuBLAS']:8.2f} | shipped {sums['shipped']:8.2f} "
-              f"({sums['shipped'] / sums['cuBLAS']:.2f}x cuBLAS) | best per shape {best_sum:8.2f} ({picks})")
+              f"({sums['shipped'] / sums['cuBLAS']:.2f}x cuBLAS) | before {sums['before']:8.2f} "
+              f"| best per shape {best_sum:8.2f} ({picks})")
     print("row alone == the shipped row in the largest call: " + ", ".join(f"{l} {'yes' if v else 'NO'}"
                                                                         for l, v in invariant.items()))
 

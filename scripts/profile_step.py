@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="also write the profiled steps as a chrome trace (JSON) here")
     parser.add_argument("--overlap", action="store_true", help="overlap scheduling on (phases are then not split)")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
+    parser.add_argument("--deterministic", action="store_true", help="EngineConfig(deterministic=True)")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -40,7 +41,8 @@ def main() -> None:
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device, load_format="dummy",
                                  page_size=16, max_running_requests=max(args.batch, 1), gpu_memory_fraction=0.6,
                                  cuda_graph=not args.no_graph, cuda_graph_max_bs=max(args.batch, 1),
-                                 attention=args.attention, overlap_schedule=args.overlap))
+                                 attention=args.attention, overlap_schedule=args.overlap,
+                                 deterministic=args.deterministic))
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts = torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
@@ -63,7 +65,7 @@ def main() -> None:
     if phases:
         phases["sample+bookkeeping"] = total - sum(phases.values())
     print(f"\n{args.shape} {engine.config.dtype}, batch {args.batch}, context ~{args.input_len}, graphs {engine.runner.graphs is not None}, "
-          f"attention {engine.runner.backend.name}, overlap {args.overlap}: "
+          f"attention {engine.runner.backend.name}, overlap {args.overlap}, deterministic {args.deterministic}: "
           f"{1e3 * total / args.steps:.2f} ms per decode step")
     for name, secs in phases.items():
         print(f"  {name:<20} {1e3 * secs / args.steps:8.2f} ms")

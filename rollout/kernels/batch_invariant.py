@@ -10,10 +10,12 @@ prefilled in one chunk or several. cuBLAS does the same on the GPU (split-K pick
 - CPU: the rows go through the library in fixed blocks of ROW_BLOCK rows (the last block
   padded with zeros), one batched GEMM of fixed-shape blocks: rows of a block do not
   interact, and every block is computed the same way.
-- GPU: one Triton matmul without split-K whose K loop is fixed (blocks of BLOCK_K, in
-  order), so each output's reduction over K runs in the same order whatever M is (as in
-  Thinking Machines' batch_invariant_ops). The same kernel runs on CPU tensors under
-  TRITON_INTERPRET=1 (tests).
+- GPU: a Triton matmul whose reduction over K is fixed by K alone (as in Thinking Machines'
+  batch_invariant_ops): chunks of K_CHUNK, each an in-order MMA chain from zero, the chunk
+  sums added in order. A narrow call (decode at small batch) splits the chunks over programs
+  and adds them in a second kernel in the same order (a split fixed by K, never by M: the
+  bits do not change); a wide one keeps them in one program. The same kernels run on CPU
+  tensors under TRITON_INTERPRET=1 (tests).
 
 What it does not know: which layers call it (the model's Linear does, when told to by the
 engine's builder).
@@ -29,46 +31,64 @@ import torch.nn.functional as F
 ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row call at batch 64
 
 
+# The reduction's chunk along K (batch_invariant_triton.py): part of what fixes the bits, so a
+# constant of the engine, never chosen per call. 512 gives a 4096-wide projection 8 chunks to
+# spread over programs at one row, and a wide call one extra float32 add per 8 MMA steps.
+K_CHUNK = 512
+
+
 @dataclass(frozen=True)
 class TileConfig:
-    """A GPU kernel configuration. What fixes a row's result is the K loop: blocks of
-    block_k, in order, one program (no split-K). Tile sizes along M and N only say which
-    program computes which outputs; on the H200 every config with block_k = 64 gives the same
-    bits for every row (tests/kernels/test_batch_invariant.py checks it), so the tiles may
-    follow the row count while block_k never does."""
+    """A GPU kernel configuration. What fixes a row's result is the reduction over K: blocks
+    of block_k in chunks of k_chunk (batch_invariant_triton.py). Tile sizes along M and N and
+    `split` (one program per chunk, the chunk sums added by a second kernel in the same order)
+    only say which program computes what; on the H200 every config with the same block_k and
+    k_chunk gives the same bits for every row (tests/kernels/test_batch_invariant.py checks
+    it), so they may follow the row count while block_k and k_chunk never do."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split: bool = False
+    k_chunk: int = K_CHUNK
+    tma: bool = False  # X and W tiles by TMA descriptors (Hopper and later; not with split)
 
-
-BLOCK_K = 64
 GROUP_M = 8  # row tiles per launch group (L2 reuse, batch_invariant_triton.py); no effect on bits
-# Measured on the H200 (BENCHMARKS.md, scripts/bench_batch_invariant.py; bf16, Llama-3.1-8B
-# projections at 1-2048 rows): 64x64 tiles with 4 stages at decode sizes, 128x128 with 8 warps
-# for the wide projections (gate_up, lm_head) from a few hundred rows and for every projection
-# at prefill sizes.
-_SMALL = TileConfig(64, 64, BLOCK_K, 4, 4)
-_LARGE = TileConfig(128, 128, BLOCK_K, 8, 3)
-# Up to 16 rows (decode at small batch) the matmul is a weight stream: one 16-row tile (tl.dot's
-# smallest) and as many column tiles as it takes to give every SM a few programs (a 64-wide tile
-# left the o projection 64 programs on 132 SMs), each with a deep pipeline of 64-wide K steps
-# so that enough bytes are in flight per SM to reach the HBM bandwidth.
-_STREAM = {16: TileConfig(16, 16, BLOCK_K, 4, 8), 32: TileConfig(16, 32, BLOCK_K, 4, 6),
-           64: TileConfig(16, 64, BLOCK_K, 4, 4)}
+# Measured on the H200 (BENCHMARKS.md, scripts/bench_batch_invariant.py: bf16, the Llama-3.1-8B
+# projections replayed from CUDA graphs with the weight coming from HBM). The K step may follow the
+# shape too: 64-, 128- and 256-wide K steps give the same bits (an MMA chain of 16-wide steps
+# either way), only K_CHUNK may not change.
+# Up to 16 rows the matmul is a weight stream: 16-row tiles (tl.dot's smallest), 32 columns so
+# that every SM gets a few programs, 256-wide K steps so that enough bytes are in flight; a long
+# K (the down projection's 14336) also splits its chunks over programs: 28 steps of 512 instead
+# of one 14336-long loop per program. Within 8% of cuBLAS at one row (4.21 against 3.89 ms of
+# matmuls per decode step).
+_STREAM = TileConfig(16, 32, 256, 4, 3)
+_STREAM_SPLIT = TileConfig(16, 64, 128, 4, 3, split=True)
+# 17-64 rows: 64x64 tiles, chunks split over programs for the narrow projections; 64x128 for
+# the wide ones (gate_up, lm_head), which have programs enough.
+_MID = TileConfig(64, 64, 64, 4, 4, split=True)
+_MID_WIDE = TileConfig(64, 128, 64, 4, 3)
+# Up to 256 rows of the narrow projections 64x64 tiles with 128-wide K steps; otherwise
+# (prefill, the wide projections from 65 rows) 128x128, 128-wide K steps and 8 warps.
+_SMALL = TileConfig(64, 64, 128, 4, 3)
+_LARGE = TileConfig(128, 128, 128, 8, 3)
 config: TileConfig | None = None  # a fixed override (the benchmark's candidates); None: chosen here
 
 
-def config_for(m: int, n: int) -> TileConfig:
+def config_for(m: int, n: int, k: int = 0) -> TileConfig:
     if config is not None:
         return config
     if m <= 16:
-        return _STREAM[16 if n <= 8192 else 32 if n <= 32768 else 64]
-    if m <= 64 or (m <= 512 and n < 16384):
+        return _STREAM_SPLIT if k > 4096 and n <= 32768 else _STREAM
+    if m <= 64:
+        return _MID_WIDE if n >= 16384 else _MID
+    if m <= 256 and n < 16384:
         return _SMALL
     return _LARGE
+
 
 # None: Triton on CUDA tensors (when it imports), blocked torch elsewhere. Tests set True to
 # run the Triton kernel on CPU tensors under TRITON_INTERPRET=1.
@@ -111,10 +131,19 @@ def _blocked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out if bias is None else out + bias
 
 
+def _tma_ok(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A TMA descriptor needs a contiguous last dimension, 16-byte aligned rows and base, and
+    a GPU that has the unit (compute capability 9+); the interpreter (CPU tensors) emulates it."""
+    for t in (rows, weight):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return not rows.is_cuda or torch.cuda.get_device_capability(rows.device)[0] >= 9
+
+
 def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     import triton
 
-    from rollout.kernels.batch_invariant_triton import matmul_kernel
+    from rollout.kernels.batch_invariant_triton import matmul_kernel, reduce_kernel
 
     m, k = rows.shape
     n = weight.shape[0]
@@ -123,12 +152,40 @@ def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
-    c = config_for(m, n)
-    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
+    c = config_for(m, n, k)
+    if c.k_chunk % c.block_k:
+        raise ValueError(f"k_chunk {c.k_chunk} must be a multiple of block_k {c.block_k}")
+    chunks = triton.cdiv(k, c.k_chunk)
+    split = c.split and chunks > 1
+    # float32 chunk sums [chunks, m, n] (split only; a placeholder pointer otherwise)
+    partial = torch.empty(chunks, m, n, dtype=torch.float32, device=rows.device) if split else out
+    bias_arg = bias if bias is not None else out
+    precision = "ieee" if rows.dtype == torch.float32 else "tf32"
+    if c.tma and not split and _tma_ok(rows, weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from rollout.kernels.batch_invariant_triton import matmul_tma_kernel
+
+        matmul_tma_kernel[(triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)](
+            TensorDescriptor.from_tensor(rows, [c.block_m, c.block_k]),
+            TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k]),
+            bias_arg, out, m, n, k, out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_CHUNK=c.k_chunk,
+            GROUP_M=GROUP_M, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+        return out
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), chunks if split else 1)
     matmul_kernel[grid](
-        rows, weight, bias if bias is not None else out, out, m, n, k,
+        rows, weight, bias_arg, out, partial, m, n, k,
         rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M,
-        PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", num_warps=c.num_warps, num_stages=c.num_stages,
+        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_CHUNK=c.k_chunk,
+        SPLIT=split, GROUP_M=GROUP_M, PRECISION=precision,
+        num_warps=c.num_warps, num_stages=c.num_stages,
     )
+    if split:
+        block = 256  # 2 floats a thread per chunk: 28 chunks (K = 14336) in flight without spills
+        reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, bias_arg, out, m, n, out.stride(0), out.stride(1),
+            CHUNKS=chunks, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )
     return out

@@ -39,6 +39,30 @@ def test_triton_matmul_rows_do_not_depend_on_the_batch(triton_matmul, k: int, n:
     assert torch.equal(batch_invariant.linear(other, weight, bias)[17], full[3])
 
 
+@pytest.mark.parametrize("k", [200, 448])
+def test_split_chunks_give_the_bits_of_one_program(triton_matmul, monkeypatch, k: int) -> None:
+    """K in chunks (the last one short): one program per chunk plus the ordered
+    reduce must equal one program running the chunks in turn (its tiles loaded by pointers or
+    by TMA descriptors), for every row count and with a bias; and all stay close to the plain
+    product."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, k, generator=g).to(DEVICE)
+    bias = torch.randn(40, generator=g).to(DEVICE)
+    x = torch.randn(37, k, generator=g).to(DEVICE)
+    tile = batch_invariant.TileConfig
+    monkeypatch.setattr(batch_invariant, "config", tile(32, 32, 64, 4, 2, split=False, k_chunk=128))
+    full = batch_invariant.linear(x, weight, bias)
+    assert torch.allclose(full, x @ weight.T + bias, atol=1e-4)
+    for c in (tile(16, 16, 64, 4, 2, split=True, k_chunk=128), tile(16, 32, 64, 4, 2, split=False, k_chunk=128),
+              tile(16, 32, 64, 4, 2, k_chunk=128, tma=True)):
+        monkeypatch.setattr(batch_invariant, "config", c)
+        for m in (1, 5, 37):
+            assert torch.equal(batch_invariant.linear(x[:m], weight, bias), full[:m]), (c, m)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        monkeypatch.setattr(batch_invariant, "config", tile(16, 16, 64, 4, 2, split=True, k_chunk=96))
+        batch_invariant.linear(x, weight)
+
+
 def test_rms_norm_one_row_per_program_is_batch_invariant() -> None:
     from rollout.kernels import fused
 
@@ -55,12 +79,17 @@ def test_rms_norm_one_row_per_program_is_batch_invariant() -> None:
 @pytest.mark.skipif(DEVICE != "cuda", reason="a property of the GPU's MMA instructions (the interpreter's numpy dot is not them)")
 def test_every_tile_config_gives_the_same_bits(monkeypatch) -> None:
     """The row count picks the tiles (batch_invariant.config_for): safe only because every
-    config with the same BLOCK_K reduces each output in the same order, bit for bit: the
-    16- and 32-row tiles (mma.sync) as the 64- and 128-row ones (Hopper's wgmma), narrow
-    tiles along N as wide ones, 8 pipeline stages as 3."""
+    config with the same BLOCK_K and K_CHUNK reduces each output in the same order, bit for
+    bit: the 16- and 32-row tiles (mma.sync) as the 64- and 128-row ones (Hopper's wgmma),
+    narrow tiles along N as wide ones, 8 pipeline stages as 3, chunks split over programs as
+    chunks in one, and 64-, 128- and 256-wide K steps (an MMA chain of 16-wide steps either
+    way), which is why only K_CHUNK is a constant."""
     g = torch.Generator(device=DEVICE).manual_seed(3)
     configs = [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (32, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3),
-               (16, 16, 64, 4, 8), (16, 32, 64, 4, 6), (16, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
+               (16, 16, 64, 4, 8), (16, 32, 64, 4, 6), (16, 64, 64, 4, 4), (128, 256, 64, 8, 3),
+               (16, 16, 64, 4, 4, True), (16, 32, 64, 4, 4, True), (64, 64, 64, 4, 4, True),
+               (16, 32, 256, 4, 3), (16, 64, 128, 4, 3, True), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3),
+               (128, 128, 128, 8, 3, False, batch_invariant.K_CHUNK, True), (64, 64, 128, 4, 3, False, batch_invariant.K_CHUNK, True)]
     for k, n in ((4096, 6144), (14336, 4096), (4096, 20000)):
         weight = (torch.randn(n, k, generator=g, device=DEVICE) * 0.02).bfloat16()
         x = torch.randn(300, k, generator=g, device=DEVICE).bfloat16()
