@@ -89,7 +89,9 @@ def test_every_tile_config_gives_the_same_bits(monkeypatch) -> None:
                (16, 16, 64, 4, 8), (16, 32, 64, 4, 6), (16, 64, 64, 4, 4), (128, 256, 64, 8, 3),
                (16, 16, 64, 4, 4, True), (16, 32, 64, 4, 4, True), (64, 64, 64, 4, 4, True),
                (16, 32, 256, 4, 3), (16, 64, 128, 4, 3, True), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3),
-               (128, 128, 128, 8, 3, False, batch_invariant.K_CHUNK, True), (64, 64, 128, 4, 3, False, batch_invariant.K_CHUNK, True)]
+               (128, 128, 128, 8, 3, False, batch_invariant.K_CHUNK, True), (64, 64, 128, 4, 3, False, batch_invariant.K_CHUNK, True),
+               (64, 128, 64, 4, 4, False, batch_invariant.K_CHUNK, True), (128, 256, 64, 8, 3, False, batch_invariant.K_CHUNK, True),
+               (128, 128, 64, 8, 4, False, batch_invariant.K_CHUNK, True)]
     for k, n in ((4096, 6144), (14336, 4096), (4096, 20000)):
         weight = (torch.randn(n, k, generator=g, device=DEVICE) * 0.02).bfloat16()
         x = torch.randn(300, k, generator=g, device=DEVICE).bfloat16()
