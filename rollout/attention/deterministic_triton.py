@@ -105,8 +105,9 @@ def tiled_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k
     rows = max(16, blocks.tokens * heads)
     gpu = q.is_cuda
     # one-token blocks keep the launch the decode path was measured with; blocks of a prompt
-    # chunk (64 MMA rows by default) stage two K/V tiles
-    extra = {"num_warps": 4, "num_stages": 2 if blocks.tokens > 1 else 3} if gpu else {}
+    # chunk (64 MMA rows by default) stage two K/V tiles; more rows than 64 take 8 warps (the
+    # [rows, head_dim] float32 accumulator and [rows, TILE] scores would spill in 4)
+    extra = {"num_warps": 8 if rows > 64 else 4, "num_stages": 2 if blocks.tokens > 1 else 3} if gpu else {}
     _tiled_rows_kernel[(blocks.num_programs, hkv)](
         q, k_buf, v_buf, out, kv_indptr, kv_indices, blocks.table, blocks.table.stride(0), scale * _LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
