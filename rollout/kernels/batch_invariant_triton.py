@@ -17,6 +17,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile (row tile, column tile). Programs are numbered in groups of
+    GROUP_M row tiles: consecutive programs sweep the column tiles of a few row tiles, so a
+    wave of programs reads a few MB of X and W that stay in L2 instead of all of X per column
+    tile (prefill chunks: X is 64-224 MB). Which program computes a tile never changes its bits."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
 def matmul_kernel(
     X, W, Bias, Y, P, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
@@ -24,20 +39,8 @@ def matmul_kernel(
     K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Y[M, N] = X[M, K] @ W[N, K]^T (+ bias), one program per output tile (and per K chunk
-    with SPLIT: the chunk sum goes to P[chunk, M, N], float32, for reduce_kernel).
-
-    Programs are numbered in groups of GROUP_M row tiles: consecutive programs sweep the
-    column tiles of a few row tiles, so a wave of programs reads a few MB of X and W that stay
-    in L2 instead of all of X per column tile (prefill chunks: X is 64-224 MB). Which program
-    computes a tile never changes its bits."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    with SPLIT: the chunk sum goes to P[chunk, M, N], float32, for reduce_kernel)."""
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -111,14 +114,7 @@ def matmul_tma_kernel(
     accelerator (host-made descriptors; out-of-range rows and columns read as zeros, as the
     masked loads do): the same MMA chain and chunk sums, so the same bits, with the address
     arithmetic and the load pipeline off the warps that compute."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     steps: tl.constexpr = K_CHUNK // BLOCK_K
     n_k = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
