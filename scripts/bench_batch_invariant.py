@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import time
 
 import torch
 import torch.nn.functional as F
 
 SHAPES_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
              "lm_head": (4096, 128256)}
+# --device cpu: a smoke run of the whole script under TRITON_INTERPRET=1 (tests): K past two
+# chunks so that the split and TMA paths run, a few candidates, host-timed, one weight copy
+SHAPES_TINY = {"qkv": (1088, 48), "o": (1088, 32), "gate_up": (1088, 80), "down": (1600, 32), "lm_head": (1088, 96)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 # (block_m, block_n, block_k, num_warps, num_stages[, split]), and the row counts it is timed at
 K = 512  # batch_invariant.K_CHUNK, spelled out so that a candidate tuple can name tma after it
@@ -46,6 +51,12 @@ COPIES = 4  # distinct weights per timed graph: 4 x 33-1050 MB, more than the 50
 def label_of(c) -> str:
     return "x".join(map(str, (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages))) + (
         "/split" if c.split else "") + ("/tma" if c.tma else "")
+
+
+def host_time_ms(fn, copies: int) -> float:
+    start = time.perf_counter()
+    fn(0)
+    return (time.perf_counter() - start) * 1e3
 
 
 def time_ms(fn, copies: int) -> float:
@@ -76,17 +87,25 @@ def time_ms(fn, copies: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 512, 8192])
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run on tiny shapes (needs TRITON_INTERPRET=1)")
     args = parser.parse_args()
     from rollout.kernels import batch_invariant as bi
 
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    cpu = dev.type == "cpu"
+    if cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1")
+    shapes, copies, timer = (SHAPES_TINY, 1, host_time_ms) if cpu else (SHAPES_8B, COPIES, time_ms)
+    candidates = [c for c in CANDIDATES if c[0] in ((16, 64, 128, 4, 3, True), (64, 128, 64, 4, 4, False, K, True))] if cpu else CANDIDATES
+    bi.use_triton = True if cpu else None
+    dtype = torch.float32 if cpu else torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     top = max(args.rows)
-    weights = {k: [torch.randn(n, kk, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(COPIES)]
-               for k, (kk, n) in SHAPES_8B.items()}
-    xs = {k: torch.randn(top, kk, device=dev, dtype=torch.bfloat16, generator=g) for k, (kk, _) in SHAPES_8B.items()}
+    weights = {k: [torch.randn(n, kk, device=dev, dtype=dtype, generator=g) * 0.02 for _ in range(copies)]
+               for k, (kk, n) in shapes.items()}
+    xs = {k: torch.randn(top, kk, device=dev, dtype=dtype, generator=g) for k, (kk, _) in shapes.items()}
     labels = ["cuBLAS", "shipped", "before"] + [
-        label_of(bi.TileConfig(*c)) for c, _, _ in CANDIDATES]
+        label_of(bi.TileConfig(*c)) for c, _, _ in candidates]
 
     def before(m: int, n: int) -> "bi.TileConfig":
         # the kernel as it was until K was cut into chunks: the whole K loop in one program
@@ -104,7 +123,7 @@ def main() -> None:
         if label_index == 2:
             bi.config = before(x.shape[0], w.shape[0])
         else:
-            bi.config = bi.TileConfig(*CANDIDATES[label_index - 3][0]) if label_index >= 3 else None
+            bi.config = bi.TileConfig(*candidates[label_index - 3][0]) if label_index >= 3 else None
         try:
             return bi.linear(x, w)
         finally:
@@ -128,10 +147,10 @@ def main() -> None:
             shipped_cfg[(name, m)] = label_of(c)
             row = table.setdefault((name, m), {})
             for i, label in enumerate(labels):
-                if i >= 3 and not CANDIDATES[i - 3][1] <= m <= CANDIDATES[i - 3][2]:
+                if i >= 3 and not candidates[i - 3][1] <= m <= candidates[i - 3][2]:
                     continue
                 try:
-                    row[label] = time_ms(lambda j: run(i, x[:m], ws[j]), COPIES)
+                    row[label] = timer(lambda j: run(i, x[:m], ws[j]), copies)
                 except Exception as e:  # a candidate that does not compile is reported, not fatal
                     print(f"{name} {m} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         print(f"{name}: done", flush=True)
@@ -147,13 +166,16 @@ def main() -> None:
         return min((t, label) for label, t in table[(name, m)].items() if label not in ("cuBLAS", "before"))
 
     for m in args.rows:
-        names = [n for n in SHAPES_8B if (n, m) in table]
+        names = [n for n in shapes if (n, m) in table]
         sums = {label: sum(table[(n, m)][label] * PER_STEP[n] for n in names) for label in ("cuBLAS", "shipped", "before")}
         best_sum = sum(best(n, m)[0] * PER_STEP[n] for n in names)
         picks = ", ".join(f"{n} {best(n, m)[1]}" for n in names)
         print(f"rows {m:>5}: cuBLAS {sums['cuBLAS']:8.2f} | shipped {sums['shipped']:8.2f} "
               f"({sums['shipped'] / sums['cuBLAS']:.2f}x cuBLAS) | before {sums['before']:8.2f} "
               f"| best per shape {best_sum:8.2f} ({picks})")
+    if cpu:  # tests/mma_dot.py says why
+        print("(CPU smoke run: the interpreter's tl.dot is numpy's, which rounds a row by its position; "
+              "the line below means something on the GPU only)")
     print("row alone == the shipped row in the largest call: " + ", ".join(f"{l} {'yes' if v else 'NO'}"
                                                                         for l, v in invariant.items()))
 

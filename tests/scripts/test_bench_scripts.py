@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +29,19 @@ def test_bench_rollout_runs_each_config_on_cpu() -> None:
                 "--overlap", "on", "off", "--workloads", "b")
     rows = [line for line in text.splitlines() if line.startswith("b: batch 1") and "|" in line]  # the table
     assert len(rows) == 2 and "[torch, overlap]" in rows[0] and "[torch]" in rows[1], text[-1500:]
+
+
+def test_bench_batch_invariant_smoke_on_cpu() -> None:
+    """The matmul bench on tiny shapes under the interpreter: every path it times (pointer,
+    split, TMA, the "before" kernel, the CPU BLAS in cuBLAS's column) runs and the sums print."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels under TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
+    text = _run("scripts.bench_batch_invariant", "--device", "cpu", "--rows", "1", "40")
+    sums = [line for line in text.splitlines() if line.startswith("rows ")]
+    assert len(sums) == 2 and all("shipped" in line and "before" in line for line in sums), text[-2000:]
+    assert "16x64x128x4x3/split" in text and "64x128x64x4x4/tma" in text, text[-2000:]
 
 
 def test_profile_step_smoke_on_cpu(tmp_path) -> None:
