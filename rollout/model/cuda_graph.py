@@ -26,6 +26,29 @@ if TYPE_CHECKING:
     from lora.pool import LoraPool
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every capture on `device` warms up and records on, one for the process.
+
+    Why not a new stream per capture: cuBLAS keeps a workspace per (handle, stream), allocated
+    through torch's caching allocator on the stream's first matmul, and neither dropping the
+    graphs nor torch.cuda.empty_cache() frees it (torch's CUDA notes say so). Graphs are
+    re-captured at every wake, so a fresh stream each time left one more workspace behind per
+    sleep/wake cycle: torch's reserved memory grew 32 MiB a cycle on the H200 (BENCHMARKS.md,
+    sleep/wake), the size of one cuBLAS workspace on Hopper. Clearing the workspaces instead
+    (torch._C._cuda_clearCublasWorkspaces) would also free ones a colocated trainer's own
+    graphs may still replay into."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 def batch_size_ladder(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in sizes if s < max_bs] + [max_bs]
@@ -89,7 +112,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             for with_lora in self.variants():
                 fb = self._static_batch(bs)
