@@ -23,14 +23,17 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rollout.kernels.batch_invariant import K_CHUNK
+
 SHAPES_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
              "lm_head": (4096, 128256)}
 # --device cpu: a smoke run of the whole script under TRITON_INTERPRET=1 (tests): K past two
 # chunks so that the split and TMA paths run, a few candidates, host-timed, one weight copy
 SHAPES_TINY = {"qkv": (1088, 48), "o": (1088, 32), "gate_up": (1088, 80), "down": (1600, 32), "lm_head": (1088, 96)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-# (block_m, block_n, block_k, num_warps, num_stages[, split]), and the row counts it is timed at
-K = 512  # batch_invariant.K_CHUNK, spelled out so that a candidate tuple can name tma after it
+# TileConfig fields in order (block_m, block_n, block_k, num_warps, num_stages[, split[,
+# k_chunk, tma]]), and the row counts it is timed at
+K = K_CHUNK  # short, for the tuples that name tma after it
 CANDIDATES = [
     ((16, 16, 64, 4, 8), 1, 16), ((16, 32, 64, 4, 6), 1, 16), ((16, 32, 256, 4, 3), 1, 16),
     ((16, 64, 128, 4, 3, True), 1, 16), ((16, 32, 256, 4, 2, True), 1, 16),
@@ -155,7 +158,7 @@ def main() -> None:
                     print(f"{name} {m} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         print(f"{name}: done", flush=True)
 
-    print("\nms per call (bf16; '-': not timed at that row count)")
+    print(f"\nms per call ({str(dtype).removeprefix('torch.')}; '-': not timed at that row count)")
     print(f"{'shape':<8} {'rows':>5} | {'shipped is':<16} | " + " | ".join(f"{l:>13}" for l in labels))
     for (name, m), row in table.items():
         cells = [f"{row[l]:>10.3f} ms" if l in row else f"{'-':>13}" for l in labels]

@@ -37,6 +37,9 @@ class ContinuationIndex:
     def add(self, tokens: Sequence[int], start: int, end: int) -> None:
         """Count tokens[i], for start <= i < end, as the continuation of each n-gram that ends
         just before it."""
+        # (The hash step ((h ^ (token + 1)) * _MULT) & _MASK64 is written out in each of the
+        # four walks: they run per drafted or counted token on the step's host path, where a
+        # call per step would cost more than the step itself.)
         table, max_n = self._next, self.max_n
         for i in range(max(start, 1), end):
             token, h = tokens[i], 0

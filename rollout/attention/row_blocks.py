@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-FIELDS = 4
-
 
 @dataclass(frozen=True)
 class RowBlocks:

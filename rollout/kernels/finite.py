@@ -19,6 +19,8 @@ under TRITON_INTERPRET=1 on CPU tensors.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -78,9 +80,7 @@ def non_finite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
         raise ValueError("non_finite_flags: tensors must share one device and dtype")
     numels = [v.numel() for v in views]
     chunks = [max(1, -(-n // CHUNK)) for n in numels]
-    first = [0] * len(chunks)
-    for i in range(1, len(chunks)):
-        first[i] = first[i - 1] + chunks[i - 1]
+    first = [0, *itertools.accumulate(chunks)][:-1]  # each tensor's first program
     # every tensor as element offsets from the first non-empty one (one device, one address space)
     itemsize = dtype.itemsize
     anchor = next((v for v in views if v.numel()), views[0])
