@@ -28,7 +28,8 @@ from rollout.kernels.batch_invariant import K_CHUNK
 SHAPES_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
              "lm_head": (4096, 128256)}
 # --device cpu: a smoke run of the whole script under TRITON_INTERPRET=1 (tests): K past two
-# chunks so that the split and TMA paths run, a few candidates, host-timed, one weight copy
+# chunks of 512 (the test passes --k-chunk 512) so that the split and TMA paths run, a few
+# candidates, host-timed, one weight copy
 SHAPES_TINY = {"qkv": (1088, 48), "o": (1088, 32), "gate_up": (1088, 80), "down": (1600, 32), "lm_head": (1088, 96)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 # TileConfig fields in order (block_m, block_n, block_k, num_warps, num_stages[, split[,
@@ -47,6 +48,9 @@ CANDIDATES = [
     ((128, 128, 64, 8, 4, False, K, True), 64, 8192), ((128, 128, 128, 8, 3, False, K, True), 64, 8192),
     ((128, 128, 128, 4, 3, False, K, True), 64, 8192), ((128, 256, 64, 8, 3, False, K, True), 256, 8192),
     ((256, 128, 64, 8, 3, False, K, True), 512, 8192), ((128, 256, 128, 8, 2, False, K, True), 256, 8192),
+    # 257-1024 rows (a GRPO decode batch): narrower tiles against wave quantization
+    ((64, 64, 64, 4, 4, False, K, True), 256, 1024), ((128, 64, 64, 4, 4, False, K, True), 256, 1024),
+    ((64, 256, 64, 8, 3, False, K, True), 256, 1024), ((64, 128, 64, 4, 3, False, K, True), 256, 1024),
 ]
 COPIES = 4  # distinct weights per timed graph: 4 x 33-1050 MB, more than the 50 MB L2
 
@@ -91,6 +95,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 512, 8192])
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run on tiny shapes (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--k-chunk", type=int, default=None,
+                        help="time the shipped choice and the candidates with this K chunk instead (a what-if: "
+                             "other bits, so 'row alone' compares against the shipped choice at that chunk)")
     args = parser.parse_args()
     from rollout.kernels import batch_invariant as bi
 
@@ -127,6 +134,9 @@ def main() -> None:
             bi.config = before(x.shape[0], w.shape[0])
         else:
             bi.config = bi.TileConfig(*candidates[label_index - 3][0]) if label_index >= 3 else None
+            if args.k_chunk:
+                c = bi.config or bi.config_for(x.shape[0], w.shape[0], w.shape[1])
+                bi.config = dataclasses.replace(c, k_chunk=args.k_chunk)
         try:
             return bi.linear(x, w)
         finally:
@@ -158,7 +168,8 @@ def main() -> None:
                     print(f"{name} {m} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         print(f"{name}: done", flush=True)
 
-    print(f"\nms per call ({str(dtype).removeprefix('torch.')}; '-': not timed at that row count)")
+    print(f"\nms per call ({str(dtype).removeprefix('torch.')}; '-': not timed at that row count"
+          + (f"; K chunk {args.k_chunk} for all but cuBLAS and before)" if args.k_chunk else ")"))
     print(f"{'shape':<8} {'rows':>5} | {'shipped is':<16} | " + " | ".join(f"{l:>13}" for l in labels))
     for (name, m), row in table.items():
         cells = [f"{row[l]:>10.3f} ms" if l in row else f"{'-':>13}" for l in labels]

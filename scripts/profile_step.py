@@ -6,6 +6,10 @@ profiles them with torch.profiler, printing the kernels by total device time. Me
 first command of a GPU session chasing the roofline gap in BENCHMARKS.md.
 
     python -m scripts.profile_step [--shape llama8b] [--batch 256] [--input-len 512] [--steps 20]
+    python -m scripts.profile_step --prefill --batch 16 --input-len 1024   # the prefill steps instead
+
+--prefill profiles the steps that prefill the batch (chunks of max_prefill_tokens, eager),
+after one warm-up batch of the same shape, and prints their kernels the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="overlap scheduling on (phases are then not split)")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     parser.add_argument("--deterministic", action="store_true", help="EngineConfig(deterministic=True)")
+    parser.add_argument("--prefill", action="store_true", help="profile the batch's prefill steps, not decode")
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192)
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -42,8 +48,10 @@ def main() -> None:
                                  page_size=16, max_running_requests=max(args.batch, 1), gpu_memory_fraction=0.6,
                                  cuda_graph=not args.no_graph, cuda_graph_max_bs=max(args.batch, 1),
                                  attention=args.attention, overlap_schedule=args.overlap,
-                                 deterministic=args.deterministic))
+                                 deterministic=args.deterministic, max_prefill_tokens=args.max_prefill_tokens))
     vocab = SHAPES[args.shape]["vocab_size"]
+    if args.prefill:
+        return profile_prefill(engine, args, vocab, sync)
     prompts = torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
     for p in prompts:
@@ -78,6 +86,38 @@ def main() -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=args.top))
+
+
+def profile_prefill(engine, args, vocab: int, sync) -> None:
+    """Time and profile the steps that prefill `batch` prompts (one new token each)."""
+    from rollout import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+
+    def prefill_all() -> int:
+        engine.flush_cache()  # no prefix hits: every prompt token is computed
+        for p in torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist():
+            engine.add_request(p, params)
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        sync()
+        return steps
+
+    prefill_all()  # warm-up: kernel builds and autotuning outside the timing
+    start = time.perf_counter()
+    steps = prefill_all()
+    total = time.perf_counter() - start
+    tokens = args.batch * args.input_len
+    print(f"\n{args.shape} {engine.config.dtype}, prefill of {args.batch} x {args.input_len} tokens in {steps} steps "
+          f"(chunks of {args.max_prefill_tokens}), attention {engine.runner.backend.name}, deterministic "
+          f"{args.deterministic}: {1e3 * total:.1f} ms, {tokens / total:.0f} tok/s")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        prefill_all()
+    print(prof.key_averages().table(sort_by="cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total",
+                                    row_limit=args.top))
 
 
 if __name__ == "__main__":

@@ -32,9 +32,14 @@ ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row c
 
 
 # The reduction's chunk along K (batch_invariant_triton.py): part of what fixes the bits, so a
-# constant of the engine, never chosen per call. 512 gives a 4096-wide projection 8 chunks to
-# spread over programs at one row, and a wide call one extra float32 add per 8 MMA steps.
-K_CHUNK = 512
+# constant of the engine, never chosen per call. 2048 gives the down projection (K = 14336) 7
+# chunks to spread over programs at one row and the 4096-wide ones 2 (enough at 17-64 rows),
+# while a wide call drains its MMA pipeline to add a chunk's sum once per 32 K steps of 64:
+# measured on the H200 against 512 (scripts/bench_batch_invariant.py --k-chunk, one call), the
+# matmuls of a decode step at 1 / 64 / 512 rows 4.19 / 4.81 / 12.26 ms against 4.20 / 5.25 /
+# 12.93 and an 8192-row prefill chunk 174.9 against 188.1 ms (cuBLAS 160.6); one chunk for all
+# of K (no split possible) was no faster at 8192 rows (179.0) and 22% slower at 1 and 64.
+K_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,9 @@ GROUP_M = 8  # row tiles per launch group (L2 reuse, batch_invariant_triton.py);
 # either way), only K_CHUNK may not change.
 # Up to 16 rows the matmul is a weight stream: 16-row tiles (tl.dot's smallest), 32 columns so
 # that every SM gets a few programs, 256-wide K steps so that enough bytes are in flight; a long
-# K (the down projection's 14336) also splits its chunks over programs: 28 steps of 512 instead
-# of one 14336-long loop per program. 1.01x cuBLAS at one row (4.24 against 4.19 ms of
-# matmuls per decode step).
+# K (the down projection's 14336) also splits its chunks over programs: 7 of 2048 instead of one
+# 14336-long loop per program. 1.01x cuBLAS at one row (4.19 against 4.13 ms of matmuls per
+# decode step).
 _STREAM = TileConfig(16, 32, 256, 4, 3)
 _STREAM_SPLIT = TileConfig(16, 64, 128, 4, 3, split=True)
 # 17-64 rows: 64x64 tiles, chunks split over programs for the narrow projections; 64x128 by
@@ -77,6 +82,10 @@ _MID_WIDE = TileConfig(64, 128, 64, 4, 4, tma=True)
 # and for prefill, 128x128 where 128x256 tiles would not give every SM two (o and down at 512
 # rows: 64 tiles).
 _SMALL = TileConfig(64, 128, 64, 4, 4, tma=True)
+# 257-512 rows (a GRPO decode batch), the qkv projection: 64x128 tiles are more than two a SM,
+# and 3 stages (72 KB of shared memory) let three share an SM where 4 stages fit two, so they
+# run in one wave: 0.038 against 0.054 ms at 384 rows (o and down, fewer tiles: no change).
+_SMALL_MANY = TileConfig(64, 128, 64, 4, 3, tma=True)
 _LARGE = TileConfig(128, 256, 64, 8, 3, tma=True)
 _LARGE_FEW = TileConfig(128, 128, 64, 8, 4, tma=True)
 config: TileConfig | None = None  # a fixed override (the benchmark's candidates); None: chosen here
@@ -92,6 +101,8 @@ def config_for(m: int, n: int, k: int = 0) -> TileConfig:
         return _MID_WIDE if n >= 16384 else _MID
     if m <= 256:
         return _LARGE if n >= 16384 else _SMALL
+    if m <= 512 and n < 16384 and k <= 4096 and -(-m // 64) * -(-n // 128) > 2 * _SMS:
+        return _SMALL_MANY
     return _LARGE if -(-m // 128) * -(-n // 256) >= 2 * _SMS else _LARGE_FEW
 
 
@@ -188,7 +199,7 @@ def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if split:
-        block = 256  # 2 floats a thread per chunk: 28 chunks (K = 14336) in flight without spills
+        block = 256  # 2 floats a thread per chunk: every chunk's load in flight without spills
         reduce_kernel[(triton.cdiv(m * n, block),)](
             partial, bias_arg, out, m, n, out.stride(0), out.stride(1),
             CHUNKS=chunks, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
