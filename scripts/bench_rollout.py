@@ -179,7 +179,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
     parser.add_argument("--deterministic", nargs="+", default=["off"], choices=["off", "on"],
-                        help="one run of the workloads per mode (EngineConfig.deterministic; attention 'auto')")
+                        help="one run of the workloads per mode, in this order, repeats allowed "
+                             "(EngineConfig.deterministic; attention 'auto')")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -268,8 +269,14 @@ def main() -> None:
                                    max_running_requests=512, max_prefill_tokens=8192, overlap_schedule=overlap,
                                    gpu_memory_fraction=args.mem_fraction))
 
-    runs = [(a, o == "on", False) for a in args.attention for o in args.overlap if "off" in args.deterministic]
-    runs += [("auto", o == "on", True) for o in args.overlap if "on" in args.deterministic]
+    # in the order given, repeats included: `--deterministic off on on off` times each mode once
+    # early and once late in the call, so a GPU whose clocks drift under load favours neither
+    runs = []
+    for mode in args.deterministic:
+        if mode == "off":
+            runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
+        else:
+            runs += [("auto", o == "on", True) for o in args.overlap]
     for attention, overlap, deterministic in runs:
         try:
             engine = engine_for(attention, overlap, deterministic=deterministic)

@@ -23,7 +23,7 @@ from rollout.config import EngineConfig
 from rollout.distributed.tp import SINGLE, TensorParallel, tp_from_world
 from rollout.model.build import build_model, init_random_weights
 from rollout.model.config import ModelConfig
-from rollout.model.llama import LlamaModel
+from rollout.model.llama import Linear, LlamaModel
 from rollout.model.loader import iter_checkpoint, load_weights
 from rollout.model.parallel import check_tp_size
 from rollout.model.runner import ModelRunner
@@ -94,6 +94,7 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
         load_weights(model, iter_checkpoint(config.model), full=True)
     if config.deterministic:
         model.make_batch_invariant()
+        _warm_batch_invariant(config, model, device)
     tokenizer = load_tokenizer(config.model) if config.load_tokenizer else None
     eos = set(cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -130,6 +131,21 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
         # fresh machine): an RL run's step 1 should cost what every later step does.
         first_non_finite([torch.zeros(1, dtype=config.torch_dtype, device=device)])
     return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft, tp)
+
+
+def _warm_batch_invariant(config: EngineConfig, model, device: torch.device) -> None:
+    """Compile the deterministic matmul for every shape and row count a step may give it now,
+    not inside a rollout step (batch_invariant.warm_up says why)."""
+    from rollout.kernels import batch_invariant
+
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
+    shapes.add(tuple(model.embed_tokens.weight.shape))  # the lm_head's, when tied
+    start = time.perf_counter()
+    # a step's rows: a prefill chunk plus the decodes batched with it
+    calls = batch_invariant.warm_up(shapes, config.max_prefill_tokens + config.max_running_requests,
+                                    config.torch_dtype, device)
+    if calls:
+        log.info("deterministic matmul: %d kernel variants warmed in %.1f s", calls, time.perf_counter() - start)
 
 
 def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, kv_pool: KVPool, max_context: int) -> None:

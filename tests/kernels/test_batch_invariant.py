@@ -104,3 +104,22 @@ def test_every_tile_config_gives_the_same_bits(monkeypatch) -> None:
         full = batch_invariant.linear(x, weight)  # 300 rows: 64- or 128-row tiles; up to 16 rows: 16-row ones
         for m in (1, 3, 16, 17, 64, 65):
             assert torch.equal(batch_invariant.linear(x[:m], weight), full[:m]), (k, n, m)
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (128256, 4096)])
+def test_warm_up_reaches_every_kernel_variant_a_step_can_launch(n: int, k: int) -> None:
+    """The engine compiles at start what its steps will launch (batch_invariant.warm_up):
+    every row count up to the bound maps to a variant that some warmed row count has, and no
+    two warmed row counts share one (one call each, at the fewest rows)."""
+    max_rows = 8192 + 512
+    rows = batch_invariant.warm_rows(n, k, max_rows)
+    warmed = [batch_invariant.variant_of(m, n, k) for m in rows]
+    assert len(set(warmed)) == len(warmed) and rows == sorted(rows) and rows[0] == 1
+    missing = {batch_invariant.variant_of(m, n, k) for m in range(1, max_rows + 1)} - set(warmed)
+    assert not missing, missing
+    # the variants differ in tile config across the regimes (1, 17, 65 rows and a prefill chunk)
+    assert len({batch_invariant.config_for(m, n, k) for m in (1, 17, 65, 8192)}) >= 3
+
+
+def test_warm_up_does_nothing_off_the_gpu() -> None:
+    assert batch_invariant.warm_up({(32, 64)}, 100, torch.float32, torch.device("cpu")) == 0
