@@ -133,7 +133,7 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
     return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft, tp)
 
 
-def _warm_batch_invariant(config: EngineConfig, model, device: torch.device) -> None:
+def _warm_batch_invariant(config: EngineConfig, model: LlamaModel, device: torch.device) -> None:
     """Compile the deterministic matmul for every shape and row count a step may give it now,
     not inside a rollout step (batch_invariant.warm_up says why)."""
     from rollout.kernels import batch_invariant

@@ -52,6 +52,21 @@ def test_profile_step_smoke_on_cpu(tmp_path) -> None:
     assert "ms per decode step" in text and trace.stat().st_size > 0
 
 
+def test_profile_step_prefill_smoke_on_cpu() -> None:
+    """--prefill times the steps that prefill the batch: 3 prompts of 40 in chunks of 64 rows."""
+    text = _run("scripts.profile_step", "--shape", "tiny", "--device", "cpu", "--prefill", "--batch", "3",
+                "--input-len", "40", "--max-prefill-tokens", "64", "--top", "3")
+    assert "prefill of 3 x 40 tokens in 2 steps (chunks of 64)" in text and "tok/s" in text, text[-1500:]
+
+
+def test_bench_rollout_runs_modes_in_the_order_given_on_cpu() -> None:
+    """--deterministic off on off: three runs, in that order (each mode early and late in a call)."""
+    text = _run("scripts.bench_rollout", "--shape", "tiny", "--device", "cpu", "--workloads", "b",
+                "--deterministic", "off", "on", "off")
+    rows = [line for line in text.splitlines() if line.startswith("b: batch 1") and "|" in line]
+    assert len(rows) == 3 and "deterministic" in rows[1] and "deterministic" not in rows[0] + rows[2], text[-1500:]
+
+
 def test_profile_run_smoke_on_cpu() -> None:
     text = _run("scripts.profile_run", "--shape", "tiny", "--device", "cpu", "--batch", "4", "--input-len", "8",
                 "--output-len", "12")
