@@ -39,7 +39,7 @@ class Result:
     roofline_seconds: float  # the bandwidth roofline of the decode steps (issue #3's definition)
     prefill_floor_seconds: float  # prefill FLOPs over the matmul rate: the rest of the floor
     prefill_seconds: float | None = None
-    decode_step_ms: float = 0.0  # median wall time of the steps that replayed a decode graph
+    decode_step_ms: float = 0.0  # median wall time of the decode-only steps (graph-replayed or eager)
 
     @property
     def tok_s(self) -> float:
@@ -115,10 +115,12 @@ class Roofline:
         return total, 2 * self.matmul_params * computed_prompt_tokens / self.flops
 
 
-def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, float, float]:
+def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, float, float, float]:
     """Returns (outputs, total seconds, seconds until every sample had its first token,
-    median wall ms of the steps that replayed a decode graph). `params`: one for all or one
-    per prompt."""
+    median wall ms of the decode-only steps, the share of those that replayed a decode graph).
+    A step is decode-only when, before it, nothing waits and every running request has its
+    first token; past `cuda_graph_max_bs` rows such steps run eager (a GRPO batch of 512 with
+    the default 256), which the share shows. `params`: one for all or one per prompt."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for p, sp in zip(prompts, per_prompt):
         engine.add_request(p, sp)
@@ -126,20 +128,22 @@ def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, f
     _sync()
     start = time.perf_counter()
     first_token_at = None
-    outs, decode_steps = [], []
+    outs, decode_steps, replayed = [], [], 0
+    sched = engine.scheduler
     while engine.has_unfinished():
         replays = graphs.num_replays if graphs is not None else 0
+        decode_only = not sched.waiting and all(r.output_ids for r in sched.running)
         t = time.perf_counter()
         outs += engine.step()
-        if graphs is not None and graphs.num_replays > replays:
+        if decode_only:
             decode_steps.append(time.perf_counter() - t)
-        if first_token_at is None and not engine.scheduler.waiting and all(
-            r.output_ids for r in engine.scheduler.running
-        ):
+            replayed += graphs is not None and graphs.num_replays > replays
+        if first_token_at is None and not sched.waiting and all(r.output_ids for r in sched.running):
             first_token_at = time.perf_counter() - start
     _sync()
     decode_ms = 1e3 * sorted(decode_steps)[len(decode_steps) // 2] if decode_steps else 0.0
-    return outs, time.perf_counter() - start, first_token_at or 0.0, decode_ms
+    share = replayed / len(decode_steps) if decode_steps else 0.0
+    return outs, time.perf_counter() - start, first_token_at or 0.0, decode_ms, share
 
 
 def hf_generate(model_dir: str, cfg: dict, batch: int, input_len: int, output_len: int, device) -> float:
@@ -178,6 +182,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                        help="EngineConfig.cuda_graph_max_bs (default: the engine's); GRPO (c) decodes 512 rows")
     parser.add_argument("--deterministic", nargs="+", default=["off"], choices=["off", "on"],
                         help="one run of the workloads per mode, in this order, repeats allowed "
                              "(EngineConfig.deterministic; attention 'auto')")
@@ -209,12 +215,14 @@ def main() -> None:
         return
 
     def run_workloads(engine, label: str, make_engine) -> None:
-        def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0, decode_ms=0.0):
+        def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0, decode_ms=0.0,
+                   graph_share=0.0):
             r = Result(f"{name} [{label}]", sum(len(o.token_ids) for o in outs), seconds, steps,
                        *roof.time(prompt_lens, output_lens, computed), prefill, decode_ms)
             results.append(r)
             print(f"{name}: {r.tok_s:.0f} tok/s ({r.seconds:.2f} s, {r.steps} steps), roofline {r.roofline_tok_s:.0f} tok/s"
-                  + (f", prefill {prefill:.2f} s" if prefill is not None else ""), flush=True)
+                  + (f", prefill {prefill:.2f} s" if prefill is not None else "")
+                  + f", decode {decode_ms:.2f} ms a step ({graph_share:.0%} of decode steps from graphs)", flush=True)
 
         for w in args.workloads:
             g = torch.Generator().manual_seed(ord(w))  # the same prompts and lengths for every engine config
@@ -224,14 +232,14 @@ def main() -> None:
                 if w == "a":
                     prompts, out_len = rand_prompts(256, 512, g), 256
                     params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
-                    outs, secs, _, dms = run_engine(engine, prompts, params)
+                    outs, secs, _, dms, gshare = run_engine(engine, prompts, params)
                     record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
-                           steps=engine.counters.steps - steps0, decode_ms=dms)
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
                 elif w == "b":
                     params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
-                    outs, secs, _, dms = run_engine(engine, rand_prompts(1, 128, g), params)
+                    outs, secs, _, dms, gshare = run_engine(engine, rand_prompts(1, 128, g), params)
                     record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128,
-                           steps=engine.counters.steps - steps0, decode_ms=dms)
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
                 elif w == "c":
                     prompts = rand_prompts(64, 1024, g)
                     params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
@@ -239,11 +247,11 @@ def main() -> None:
                         eng = engine if radix else make_engine(False)
                         eng.flush_cache()
                         steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
-                        outs, secs, prefill, dms = run_engine(eng, prompts, params)
+                        outs, secs, prefill, dms, gshare = run_engine(eng, prompts, params)
                         computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
                         record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
                                [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0,
-                               decode_ms=dms)
+                               decode_ms=dms, graph_share=gshare)
                         if not radix:
                             del eng
                             gc.collect()
@@ -254,9 +262,9 @@ def main() -> None:
                     lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
                     prompts = [rand_prompts(1, n, g)[0] for n in lens_in]
                     params = [SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True) for o in lens_out]
-                    outs, secs, _, dms = run_engine(engine, prompts, params)
+                    outs, secs, _, dms, gshare = run_engine(engine, prompts, params)
                     record("d: 256 x uniform[100,1024] in/out", outs, secs, lens_in, lens_out, sum(lens_in),
-                           steps=engine.counters.steps - steps0, decode_ms=dms)
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
             except Exception:  # keep going: one failing workload must not lose the others' figures
                 traceback.print_exc()
 
@@ -267,6 +275,7 @@ def main() -> None:
                                    device=args.device, load_format="dummy", max_total_tokens=max_tokens,
                                    attention=attention, page_size=16, enable_radix_cache=radix,
                                    max_running_requests=512, max_prefill_tokens=8192, overlap_schedule=overlap,
+                                   **({"cuda_graph_max_bs": args.cuda_graph_max_bs} if args.cuda_graph_max_bs else {}),
                                    gpu_memory_fraction=args.mem_fraction))
 
     # in the order given, repeats included: `--deterministic off on on off` times each mode once
