@@ -3,9 +3,10 @@
 # weight-sync benchmarks. Logs land in $OUT (the device tool brings them back). Each stage
 # has its own time limit so a hang in one still returns the others' figures.
 #   STAGES="tests profile rollout weightsync lora tp det"   (default: the first four; tp needs 2 GPUs)
-#   STAGES=det: deterministic mode (issue #14) in one call under DET_S seconds (default 340):
+#   STAGES=det: deterministic mode (issue #14) in one call under DET_S seconds (default 460):
 #     GPU invariance tests, check_deterministic (deterministic mode only), the rollout bench
-#     b a c with deterministic off and on, then the batch-invariant matmul bench
+#     b a c with deterministic off on on off (ABBA), then the batch-invariant matmul bench;
+#     CGBS=512 sets the bench's cuda_graph_max_bs (GRPO's c decodes 512 rows)
 #   PROFILE="256:flashinfer:off 1:flashinfer:on"   (batch:attention:overlap per profile run)
 #   ATTENTION="flashinfer triton"  OVERLAP="on off"  WORKLOADS="b a"  for the rollout bench
 set -u
@@ -49,7 +50,7 @@ if [[ " $STAGES " == *" lora "* ]]; then
 fi
 if [[ " $STAGES " == *" det "* ]]; then
   # one shared deadline: each step gets min(its cap, the time left), the goal figures before the matmul table
-  det_end=$((SECONDS + ${DET_S:-340}))
+  det_end=$((SECONDS + ${DET_S:-460}))
   left() { local l=$((det_end - SECONDS)); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }  # timeout 0 = none
   took() { echo "[det] $1: $((SECONDS - $2)) s (deadline in $((det_end - SECONDS)) s)" | tee -a "$OUT/det_times.log"; }
   t0=$SECONDS
@@ -60,9 +61,10 @@ if [[ " $STAGES " == *" det "* ]]; then
   timeout "$(left 80)" python3 -m scripts.check_deterministic --mem-fraction 0.2 --modes deterministic --no-distance 2>&1 \
     | grep -v Loading | tee "$OUT/det_check.log" | tail -7
   took "check_deterministic" $t0; t0=$SECONDS
-  timeout "$(left 200)" python3 -m scripts.bench_rollout --shape llama8b --workloads b a c --deterministic off on \
-    --json "$OUT/det_rollout.json" 2>&1 | grep -v Loading | tee "$OUT/det_rollout.log" | tail -9
-  took "bench_rollout b a c, deterministic off/on" $t0; t0=$SECONDS
+  # ABBA: each mode early and late in the call (the same mode's runs moved by up to 14% within one call)
+  timeout "$(left 300)" python3 -m scripts.bench_rollout --shape llama8b --workloads b a c --deterministic off on on off \
+    ${CGBS:+--cuda-graph-max-bs $CGBS} --json "$OUT/det_rollout.json" 2>&1 | grep -v Loading | tee "$OUT/det_rollout.log" | tail -17
+  took "bench_rollout b a c, deterministic off on on off" $t0; t0=$SECONDS
   if [ "$(left 30)" -ge 30 ]; then
     timeout "$(left 60)" python3 -m scripts.bench_batch_invariant --rows 1 256 8192 2>&1 | tee "$OUT/det_matmul.log" | tail -6
     took "bench_batch_invariant" $t0
