@@ -87,9 +87,15 @@ class KVManager:
 
     def extend(self, req: Req, new_len: int) -> bool:
         """Make sure slots exist for positions [0, new_len) of a running request."""
-        if new_len <= req.num_allocated_slots:
+        have = req.num_allocated_slots
+        if new_len <= have:
             return True
-        pages = self.pages_to_extend(req, new_len)  # 0 while growing inside its last page
+        if new_len <= -(-have // self.page_size) * self.page_size:
+            # inside its last page, which the table already holds (_alloc): a decode's usual
+            # case, 15 steps in 16 at page 16, so it costs one comparison, not three calls
+            req.num_allocated_slots = new_len
+            return True
+        pages = self.pages_to_extend(req, new_len)
         if pages and not self._ensure_pages(pages):
             return False
         self._alloc(req, new_len)
