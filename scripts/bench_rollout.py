@@ -130,15 +130,16 @@ def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, f
     first_token_at = None
     outs, decode_steps, replayed = [], [], 0
     sched = engine.scheduler
+    decode_only = False  # the prompts were just added
     while engine.has_unfinished():
         replays = graphs.num_replays if graphs is not None else 0
-        decode_only = not sched.waiting and all(r.output_ids for r in sched.running)
         t = time.perf_counter()
         outs += engine.step()
         if decode_only:
             decode_steps.append(time.perf_counter() - t)
             replayed += graphs is not None and graphs.num_replays > replays
-        if first_token_at is None and not sched.waiting and all(r.output_ids for r in sched.running):
+        decode_only = not sched.waiting and all(r.output_ids for r in sched.running)  # the next step's
+        if first_token_at is None and decode_only:
             first_token_at = time.perf_counter() - start
     _sync()
     decode_ms = 1e3 * sorted(decode_steps)[len(decode_steps) // 2] if decode_steps else 0.0

@@ -106,10 +106,14 @@ def config_for(m: int, n: int, k: int = 0) -> TileConfig:
     if m <= 256:
         if n >= 16384:
             return _LARGE
-        return _SMALL_DEEP if -(-m // 64) * -(-n // 128) <= _SMS else _SMALL
-    if m <= 512 and n < 16384 and k <= 4096 and -(-m // 64) * -(-n // 128) > 2 * _SMS:
+        return _SMALL_DEEP if _tiles(m, n, 64, 128) <= _SMS else _SMALL
+    if m <= 512 and n < 16384 and k <= 4096 and _tiles(m, n, 64, 128) > 2 * _SMS:
         return _SMALL_MANY
-    return _LARGE if -(-m // 128) * -(-n // 256) >= 2 * _SMS else _LARGE_FEW
+    return _LARGE if _tiles(m, n, 128, 256) >= 2 * _SMS else _LARGE_FEW
+
+
+def _tiles(m: int, n: int, block_m: int, block_n: int) -> int:
+    return -(-m // block_m) * -(-n // block_n)
 
 
 # None: Triton on CUDA tensors (when it imports), blocked torch elsewhere. Tests set True to
