@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.bench.compiles import CompileRecord, triton_compiles
 from rollout.model.shapes import SHAPES, write_shape_dir
 
 
@@ -40,6 +41,8 @@ class Result:
     prefill_floor_seconds: float  # prefill FLOPs over the matmul rate: the rest of the floor
     prefill_seconds: float | None = None
     decode_step_ms: float = 0.0  # median wall time of the decode-only steps (graph-replayed or eager)
+    compiles: int = 0  # Triton kernels compiled inside this workload's timing (rollout/bench/compiles.py)
+    compile_seconds: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -115,17 +118,23 @@ class Roofline:
         return total, 2 * self.matmul_params * computed_prompt_tokens / self.flops
 
 
-def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, float, float, float]:
+def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, float, float, float, CompileRecord]:
     """Returns (outputs, total seconds, seconds until every sample had its first token,
-    median wall ms of the decode-only steps, the share of those that replayed a decode graph).
+    median wall ms of the decode-only steps, the share of those that replayed a decode graph,
+    the Triton compiles made inside the timing).
     A step is decode-only when, before it, nothing waits and every running request has its
     first token; past `cuda_graph_max_bs` rows such steps run eager (a GRPO batch of 512 with
     the default 256), which the share shows. `params`: one for all or one per prompt."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for p, sp in zip(prompts, per_prompt):
         engine.add_request(p, sp)
-    graphs = engine.runner.graphs
     _sync()
+    with triton_compiles() as compiled:
+        return _timed_run(engine, compiled)
+
+
+def _timed_run(engine, compiled: CompileRecord) -> tuple[list, float, float, float, float, CompileRecord]:
+    graphs = engine.runner.graphs
     start = time.perf_counter()
     first_token_at = None
     outs, decode_steps, replayed = [], [], 0
@@ -144,7 +153,7 @@ def run_engine(engine, prompts: list[list[int]], params) -> tuple[list, float, f
     _sync()
     decode_ms = 1e3 * sorted(decode_steps)[len(decode_steps) // 2] if decode_steps else 0.0
     share = replayed / len(decode_steps) if decode_steps else 0.0
-    return outs, time.perf_counter() - start, first_token_at or 0.0, decode_ms, share
+    return outs, time.perf_counter() - start, first_token_at or 0.0, decode_ms, share, compiled
 
 
 def hf_generate(model_dir: str, cfg: dict, batch: int, input_len: int, output_len: int, device) -> float:
@@ -217,13 +226,16 @@ def main() -> None:
 
     def run_workloads(engine, label: str, make_engine) -> None:
         def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0, decode_ms=0.0,
-                   graph_share=0.0):
+                   graph_share=0.0, compiled=None):
+            compiled = compiled or CompileRecord()
             r = Result(f"{name} [{label}]", sum(len(o.token_ids) for o in outs), seconds, steps,
-                       *roof.time(prompt_lens, output_lens, computed), prefill, decode_ms)
+                       *roof.time(prompt_lens, output_lens, computed), prefill, decode_ms,
+                       len(compiled.names), compiled.seconds)
             results.append(r)
             print(f"{name}: {r.tok_s:.0f} tok/s ({r.seconds:.2f} s, {r.steps} steps), roofline {r.roofline_tok_s:.0f} tok/s"
                   + (f", prefill {prefill:.2f} s" if prefill is not None else "")
-                  + f", decode {decode_ms:.2f} ms a step ({graph_share:.0%} of decode steps from graphs)", flush=True)
+                  + f", decode {decode_ms:.2f} ms a step ({graph_share:.0%} of decode steps from graphs); "
+                  + compiled.summary(), flush=True)
 
         for w in args.workloads:
             g = torch.Generator().manual_seed(ord(w))  # the same prompts and lengths for every engine config
@@ -233,14 +245,14 @@ def main() -> None:
                 if w == "a":
                     prompts, out_len = rand_prompts(256, 512, g), 256
                     params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
-                    outs, secs, _, dms, gshare = run_engine(engine, prompts, params)
+                    outs, secs, _, dms, gshare, comp = run_engine(engine, prompts, params)
                     record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
-                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare, compiled=comp)
                 elif w == "b":
                     params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
-                    outs, secs, _, dms, gshare = run_engine(engine, rand_prompts(1, 128, g), params)
+                    outs, secs, _, dms, gshare, comp = run_engine(engine, rand_prompts(1, 128, g), params)
                     record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128,
-                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare, compiled=comp)
                 elif w == "c":
                     prompts = rand_prompts(64, 1024, g)
                     params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
@@ -248,11 +260,11 @@ def main() -> None:
                         eng = engine if radix else make_engine(False)
                         eng.flush_cache()
                         steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
-                        outs, secs, prefill, dms, gshare = run_engine(eng, prompts, params)
+                        outs, secs, prefill, dms, gshare, comp = run_engine(eng, prompts, params)
                         computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
                         record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
                                [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0,
-                               decode_ms=dms, graph_share=gshare)
+                               decode_ms=dms, graph_share=gshare, compiled=comp)
                         if not radix:
                             del eng
                             gc.collect()
@@ -263,9 +275,9 @@ def main() -> None:
                     lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
                     prompts = [rand_prompts(1, n, g)[0] for n in lens_in]
                     params = [SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True) for o in lens_out]
-                    outs, secs, _, dms, gshare = run_engine(engine, prompts, params)
+                    outs, secs, _, dms, gshare, comp = run_engine(engine, prompts, params)
                     record("d: 256 x uniform[100,1024] in/out", outs, secs, lens_in, lens_out, sum(lens_in),
-                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare, compiled=comp)
             except Exception:  # keep going: one failing workload must not lose the others' figures
                 traceback.print_exc()
 
