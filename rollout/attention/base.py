@@ -30,6 +30,11 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5
         self.batch: ForwardBatch | None = None
 
+    def warm_up(self) -> int:
+        """Compile, at engine start, the kernels a step may launch (returns the launches
+        made); backends whose kernels compile per shape on first use override it."""
+        return 0
+
     def plan(self, batch: ForwardBatch) -> None:
         """Per-step metadata shared by all layers."""
         self.batch = batch

@@ -56,6 +56,14 @@ class DeterministicAttention(AttentionBackend):
     def max_block_tokens(self) -> int:
         return max(1, BLOCK_ROWS // heads_per_kv(self.num_heads, self.num_kv_heads))
 
+    def warm_up(self) -> int:
+        if not (self.triton and self.pool.k_buffers[0].is_cuda):
+            return 0  # the torch tiles (CPU) compile nothing; the interpreter is for tests
+        from rollout.attention.deterministic_triton import warm_up
+
+        k, v = self.pool.k_buffers[0], self.pool.v_buffers[0]
+        return warm_up(k, v, self.num_heads, k.dtype, self.max_block_tokens(), KV_TILE)
+
     def plan(self, batch: ForwardBatch) -> None:
         super().plan(batch)
         device = batch.kv_indices.device

@@ -32,13 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.attention.row_blocks import RowBlocks, heads_per_kv
+from rollout.attention.row_blocks import RowBlocks, heads_per_kv, plan_row_blocks
 from rollout.attention.triton_kernels import _LOG2E
 
 SUM_COLS = tl.constexpr(16)  # jit code reads constexpr globals only. tl.dot's smallest N: the row sum of p comes out SUM_COLS times, equal
 
 
-@triton.jit
+# A step's block table is a slice of one packed [4, P] copy (at an offset, with P's stride)
+# and the KV index arrays are rebuilt per step: specializing on their alignment or on the
+# stride would compile a new variant mid-rollout for a new offset or program count (1-3 s
+# each on a fresh machine), for scalar loads that gain nothing from it.
+@triton.jit(do_not_specialize=["stride_blocks"], do_not_specialize_on_alignment=["Blocks", "KvIndptr", "KvIndices"])
 def _tiled_rows_kernel(
     Q, K, V, Out, KvIndptr, KvIndices, Blocks, stride_blocks, qk_scale,  # qk_scale: sm_scale * log2(e)
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
@@ -115,3 +119,27 @@ def tiled_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k
         GROUP=h // hkv, HEADS=heads, ROWS=rows, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         TILE=tile, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **extra,
     )
+
+
+def warm_up(k_buf: torch.Tensor, v_buf: torch.Tensor, num_heads: int, dtype: torch.dtype, max_tokens: int,
+            tile: int) -> int:
+    """Compile, at engine start, each launch shape a step can use (blocks of 1, 2, 4, ...
+    max_tokens tokens: plan_row_blocks rounds a step's longest extend up to a power of two),
+    not inside the first prefill of a rollout; returns the number of calls. Eager steps pass
+    int64 KV indices (ForwardBatch), the decode graphs int32 ones (their static buffer), and
+    each dtype compiles apart. Reads the KV pool's slot 0 only and writes a scratch output."""
+    device = k_buf.device
+    d = k_buf.shape[2]
+    calls, tokens = 0, 1
+    while tokens <= max_tokens:
+        q = torch.zeros(tokens, num_heads, d, dtype=dtype, device=device)
+        out = torch.empty_like(q)
+        kv_indptr = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        for index_dtype in (torch.int64, torch.int32) if tokens == 1 else (torch.int64,):
+            kv_indices = torch.zeros(tokens, dtype=index_dtype, device=device)
+            for table, block_tokens in plan_row_blocks([tokens], max_tokens):
+                tiled_attention(q, k_buf, v_buf, kv_indptr, kv_indices, RowBlocks(table.to(device), block_tokens),
+                                1.0, out, tile)
+                calls += 1
+        tokens *= 2
+    return calls

@@ -157,6 +157,9 @@ def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, 
     attention = "deterministic" if config.deterministic else config.attention
     runner.backend = make_backend(attention, kv_pool, cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size,
                                   cfg.head_dim, config.device)
+    start = time.perf_counter()
+    if launches := runner.backend.warm_up():
+        log.info("%s attention: %d launch shapes warmed in %.1f s", attention, launches, time.perf_counter() - start)
     if device.type == "cuda" and config.cuda_graph and runner.backend.graphable:
         max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
         if config.speculative is not None:  # a verify step replays a decode graph of requests x (1 + k) rows

@@ -196,3 +196,42 @@ def test_backend_rows_alone_equal_rows_in_a_batch(path: str, monkeypatch) -> Non
     mixed = step(["short", "decode", "chunk"])
     for name in ("decode", "chunk"):
         assert torch.equal(step([name])[name], mixed[name]), name
+
+
+def test_warm_up_launches_every_block_shape_a_step_can_plan(monkeypatch) -> None:
+    """The engine compiles the kernel's launch shapes at start (deterministic_triton.warm_up):
+    a shape first launched inside a rollout compiles there, 1-3 s on a fresh GPU machine. A
+    shape is what Triton compiles apart: the MMA rows of a block and whether it is a decode's
+    (its warps and stages); the table's offset and stride are not specialized on."""
+    from rollout.attention import deterministic_triton
+
+    heads, kv_heads, dim, tile, dtype, _ = SHAPE
+    cap, group = _cap(SHAPE), heads_per_kv(heads, kv_heads)
+
+    def shape(tokens: int, index_dtype: torch.dtype) -> tuple[int, bool, torch.dtype]:
+        return max(16, tokens * group), tokens > 1, index_dtype
+
+    launched = []
+    real = deterministic_triton.tiled_attention
+
+    def spy(q, k_buf, v_buf, kv_indptr, kv_indices, blocks, *args):
+        launched.append(shape(blocks.tokens, kv_indices.dtype))
+        return real(q, k_buf, v_buf, kv_indptr, kv_indices, blocks, *args)
+
+    monkeypatch.setattr(deterministic_triton, "tiled_attention", spy)
+    k_buf = torch.zeros(4, kv_heads, dim, dtype=dtype, device=DEVICE)
+    calls = deterministic_triton.warm_up(k_buf, torch.zeros_like(k_buf), heads, dtype, cap, tile)
+    assert calls == len(launched) > 0
+    # eager steps: int64 KV indices (ForwardBatch); decode graphs: int32 (DecodeGraphs' buffer)
+    planned = {shape(tokens, torch.int64) for extend in range(1, 3 * cap) for mix in ([extend], [1, extend], [3, extend])
+               for _, tokens in plan_row_blocks(mix, cap)}
+    planned.add(shape(1, torch.int32))
+    assert planned - set(launched) == set(), "shapes a step can launch that the warm-up did not compile"
+
+
+def test_backend_warm_up_does_nothing_off_the_gpu() -> None:
+    from rollout.attention.deterministic_backend import DeterministicAttention
+    from rollout.cache.kv_pool import KVPool
+
+    pool = KVPool(1, 2, 16, 64, 1, torch.float32, torch.device("cpu"))
+    assert DeterministicAttention(pool, 4, 2, 16).warm_up() == 0
