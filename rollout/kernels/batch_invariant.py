@@ -23,7 +23,7 @@ engine's builder).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,26 @@ def config_for(m: int, n: int, k: int = 0) -> TileConfig:
     if m <= 512 and n < 16384 and k <= 4096 and _tiles(m, n, 64, 128) > 2 * _SMS:
         return _SMALL_MANY
     return _LARGE if _tiles(m, n, 128, 256) >= 2 * _SMS else _LARGE_FEW
+
+
+# Shared memory a program's pipeline may take: the H200 gives a block 227 KB; the rest is left to
+# the epilogue and the barriers. The tiles above were tuned for 16-bit inputs; a float32 engine
+# (the precision comparisons run one on the GPU) would ask 294 KB of _SMALL_DEEP and _LARGE.
+_SHARED_BUDGET = 200 * 1024
+
+
+def fit_shared_memory(c: TileConfig, element_size: int) -> TileConfig:
+    """The config with its K step halved (then stages dropped) until its pipeline's tiles fit
+    the budget at this element size. The K step never changes the bits (see above), so a
+    float32 engine stays batch-invariant; 16-bit inputs fit every config as it is."""
+    def need(t: TileConfig) -> int:
+        return t.num_stages * (t.block_m + t.block_n) * t.block_k * element_size
+
+    while need(c) > _SHARED_BUDGET and c.block_k > 32:
+        c = replace(c, block_k=c.block_k // 2)
+    while need(c) > _SHARED_BUDGET and c.num_stages > 2:
+        c = replace(c, num_stages=c.num_stages - 1)
+    return c
 
 
 def _tiles(m: int, n: int, block_m: int, block_n: int) -> int:
@@ -215,7 +235,7 @@ def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
-    c = config_for(m, n, k)
+    c = fit_shared_memory(config_for(m, n, k), rows.element_size())
     if c.k_chunk % c.block_k:
         raise ValueError(f"k_chunk {c.k_chunk} must be a multiple of block_k {c.block_k}")
     chunks = triton.cdiv(k, c.k_chunk)

@@ -121,5 +121,21 @@ def test_warm_up_reaches_every_kernel_variant_a_step_can_launch(n: int, k: int) 
     assert len({batch_invariant.config_for(m, n, k) for m in (1, 17, 65, 8192)}) >= 3
 
 
+def test_every_config_fits_shared_memory_in_float32_and_16_bit_configs_are_untouched() -> None:
+    """A float32 engine on the GPU asked 294 KB of shared memory of the 65-256-row and prefill
+    tiles (Triton: out of resources); fit_shared_memory halves their K step, which keeps the
+    bits (test_every_tile_config_gives_the_same_bits; on the GPU the float32 invariance test
+    above runs the fitted tiles), and leaves the bf16 picks as measured."""
+    budget = batch_invariant._SHARED_BUDGET
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (96, 64)]:
+        for m in (1, 16, 17, 64, 65, 70, 256, 257, 384, 512, 513, 8192):
+            c = batch_invariant.config_for(m, n, k)
+            assert batch_invariant.fit_shared_memory(c, 2) == c
+            f = batch_invariant.fit_shared_memory(c, 4)
+            assert f.num_stages * (f.block_m + f.block_n) * f.block_k * 4 <= budget, (m, n, k, f)
+            assert (f.block_m, f.block_n, f.split, f.tma, f.k_chunk) == (c.block_m, c.block_n, c.split, c.tma, c.k_chunk)
+            assert c.k_chunk % f.block_k == 0
+
+
 def test_warm_up_does_nothing_off_the_gpu() -> None:
     assert batch_invariant.warm_up({(32, 64)}, 100, torch.float32, torch.device("cpu")) == 0
