@@ -35,9 +35,12 @@ class EngineConfig:
     enable_radix_cache: bool = True
     schedule_policy: str = "fcfs"
     attention: str = "auto"
-    # CUDA graphs for decode-only steps, batch sizes 1..cuda_graph_max_bs (padded up a ladder)
+    # CUDA graphs for decode-only steps, batch sizes 1..min(max_running_requests,
+    # cuda_graph_max_bs) (padded up a ladder). 512 covers a GRPO batch of 64 prompts x 8
+    # samples: on an H200 (8B shape) its 512-row steps ran eager at 256, and the workload
+    # gave 9870-12592 tok/s across runs; with graphs to 512, 12862-13059 (BENCHMARKS.md).
     cuda_graph: bool = True
-    cuda_graph_max_bs: int = 256
+    cuda_graph_max_bs: int = 512
     # Schedule and launch step t+1 before reading step t's tokens back (the host work of one
     # step hides behind the device work of the next). None: on for CUDA (measured on an H200:
     # batch-1 decode 6.4 -> 4.9 ms per step), off on CPU, where the "device" is the host.
