@@ -114,7 +114,7 @@ def config_for(m: int, n: int, k: int = 0) -> TileConfig:
 
 # Shared memory a program's pipeline may take: the H200 gives a block 227 KB; the rest is left to
 # the epilogue and the barriers. The tiles above were tuned for 16-bit inputs; a float32 engine
-# (the precision comparisons run one on the GPU) would ask 294 KB of _SMALL_DEEP and _LARGE.
+# on the GPU (dtype="float32", deterministic=True) would ask 294 KB of _SMALL_DEEP and _LARGE.
 _SHARED_BUDGET = 200 * 1024
 
 
