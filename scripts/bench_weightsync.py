@@ -46,8 +46,15 @@ def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, 
     from weightsync.trainer import iter_hf_weights
     from weightsync.transports.cuda_ipc import CudaIpcSender
 
+    from rollout.bench.steady import PhaseTimer
+    from weightsync.transports import cuda_ipc_sender
+
     model = random_trainer_model(model_dir, "cuda", torch.bfloat16, seed=1)
     sender = CudaIpcSender(endpoint, bucket_bytes=bucket_bytes, flat=flat, zero_copy=zero_copy)
+    timer = PhaseTimer()  # the trainer's side of a flat send: the walk (inside the pack), send, the wait
+    timer.add(cuda_ipc_sender, "pack_flat", "walk + pack")
+    timer.add(CudaIpcSender, "_send_request", "send")
+    timer.add(CudaIpcSender, "_receive_reply", "wait for the answer")
     torch.cuda.synchronize()
     ready.set()  # the engine starts its clock for the first update here, not at our start-up
     times = []
@@ -57,9 +64,10 @@ def ipc_trainer(model_dir: str, endpoint: str, repeats: int, bucket_bytes: int, 
         stats = sender.send(iter_hf_weights(model))
         times.append(time.perf_counter() - start)
     reserved = sender.reserved_bytes
+    timer.restore()
     sender.close()
     Path(result_file).write_text(json.dumps({"times": times, "bytes": stats.total_bytes, "buffers": stats.num_buckets,
-                                             "reserved": reserved}))
+                                             "reserved": reserved, "phases": timer.samples}))
 
 
 def _timed_updates(engine, trainer, repeats: int, running: int) -> list[float]:
@@ -142,6 +150,21 @@ def gpu(args) -> None:
         name, trainer_side, engine_side, res = _ipc_row(engine, model_dir, args, flat, zero_copy)
         rows.append((name, trainer_side))
         ipc.append((name, engine_side))
+    # where a zero-copy CUDA IPC update's engine side goes, steady updates only: waiting for
+    # the request (the trainer's walk and send) and decoding it, mapping (cached after the
+    # first), validation, the writes (+ sync), and the answer (a sync, then the reply)
+    from weightsync.transports.cuda_ipc_receiver import CudaIpcReceiver
+
+    timer = PhaseTimer()
+    timer.add(CudaIpcReceiver, "_receive_request", "wait + decode request")
+    timer.add(CudaIpcReceiver, "_map_flat", "map")
+    timer.add(engine_module, "plan_writes", "validate")
+    timer.add(engine_module, "apply_writes", "write", after=torch.cuda.synchronize)
+    timer.add(CudaIpcReceiver, "finish", "answer")
+    _, ipc_trainer_side, ipc_engine_side, ipc_res = _ipc_row(engine, model_dir, args, True, True)
+    timer.restore()
+    ipc_phases = {k: statistics.median(v[1:]) for k, v in timer.samples.items() if len(v) > 1}
+    trainer_phases = {k: statistics.median(v[1:]) for k, v in ipc_res.get("phases", {}).items() if len(v) > 1}
 
     print(f"\nLlama-3.1-8B shape, bf16, {nbytes / 1e9:.2f} GB, {torch.cuda.get_device_name()}, "
           f"device copy {bw / 1e9:.0f} GB/s, median of {args.repeats} after the first; the first timed apart")
@@ -150,6 +173,10 @@ def gpu(args) -> None:
         t = statistics.median(times[1:])
         print(f"{name:<76} | {times[0] * 1e3:>9.1f} | {t * 1e3:>7.1f} | {nbytes / t / 1e9:>6.0f} | {nbytes / t / bw:>9.1%}")
     print("idle in-process split: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
+    print(f"zero-copy CUDA IPC split (engine side, median; this pass {statistics.median(ipc_engine_side[1:]) * 1e3:.1f} ms "
+          f"engine / {statistics.median(ipc_trainer_side[1:]) * 1e3:.1f} ms trainer): "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ipc_phases.items()))
+    print("  its trainer side: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in trainer_phases.items()))
     for name, times in rows:
         print(f"  {name}: {[round(x * 1e3, 1) for x in times]} ms")
     for name, times in ipc:

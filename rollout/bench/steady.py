@@ -22,18 +22,22 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.samples: dict[str, list[float]] = {}  # each call's seconds, in order
         self._originals: list[tuple[object, str, Callable]] = []
 
     def add(self, obj: object, name: str, key: str | None = None, after: Callable[[], None] | None = None) -> None:
         fn, key = getattr(obj, name), key or name
         self.seconds.setdefault(key, 0.0)
+        self.samples.setdefault(key, [])
 
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             if after is not None:
                 after()
-            self.seconds[key] += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.seconds[key] += took
+            self.samples[key].append(took)
             return out
 
         setattr(obj, name, wrapper)
