@@ -160,7 +160,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
     def _pause(self, pause_mode: str, affected: Callable[[Req], bool] | None = None) -> None:
         """Stop the requests an update affects (all, or those `affected` selects) from
         running on: "wait" runs them to completion, "abort" finishes them as aborted,
-        "retract" sends them back to waiting to resume later (their KV goes to the cache)."""
+        "retract" sends them back to waiting to resume later. Every caller replaces what made
+        their KV (the weights, an adapter) or releases it (sleep), so it is dropped, not cached."""
         self._pending.extend(self.loop.drain())
         hit = affected or (lambda req: True)
         if pause_mode == "wait":
@@ -173,7 +174,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
                 if out is not None:
                     self._pending.append(out)
         else:
-            self.counters.retractions += len(self.scheduler.retract_all(hit))
+            self.counters.retractions += len(self.scheduler.retract_all(hit, keep_kv=False))
 
     # ---- weights ----------------------------------------------------------------------
     def update_weights(
@@ -260,7 +261,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if self.memory.asleep:
             raise RuntimeError(f"sleep: already asleep ({sorted(self.memory.asleep)} released); wake() first")
         self._pending.extend(self.loop.drain())
-        self.counters.retractions += len(self.scheduler.retract_all())
+        self.counters.retractions += len(self.scheduler.retract_all(keep_kv=False))
         self.kv.flush()
         if self.lora is not None:
             self.lora.evict_all()

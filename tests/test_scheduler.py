@@ -59,3 +59,39 @@ def test_newest_request_is_retracted_when_kv_runs_out() -> None:
     assert [r.rid for r in sched.running] == ["first"] and [r.rid for r in sched.waiting] == ["second"]
     assert second.output_ids, "a retracted request keeps its tokens"
     assert second.req_pool_idx is None and second.num_computed_tokens == 0
+
+
+def test_retract_all_without_keeping_kv_caches_nothing_and_leaks_nothing() -> None:
+    """A weight update, an adapter update or sleep retracts running requests and then drops
+    their KV (made by what is being replaced): keep_kv=False frees each request's own KV
+    instead of inserting it into the tree, and leaves a prefix it shares with the tree to the
+    tree, so after the flush every slot is free."""
+    for keep_kv in (True, False):
+        sched = make(max_tokens=256, budget=64, page_size=4)
+        cached = req("cached", 12)  # finishes first: its prompt is in the tree
+        sched.add(cached)
+        while cached in sched.running or cached in sched.waiting:
+            batch = sched.schedule()
+            advance(batch)
+            for r in list(sched.running):
+                if len(r.output_ids) >= r.params.max_new_tokens:
+                    sched.remove(r)
+        kv = sched.kv
+        in_tree = kv.tree.total_size
+        assert in_tree > 0
+        hit, fresh = req("hit", 16), req("fresh", 9)  # "hit" starts with cached's 12 prompt tokens
+        sched.add(hit)
+        sched.add(fresh)
+        advance(sched.schedule())
+        advance(sched.schedule())
+        assert hit.num_prefix_tokens > 0, "the second request reused the first one's cached prompt"
+        retracted = sched.retract_all(keep_kv=keep_kv)
+        assert {r.rid for r in retracted} == {"hit", "fresh"} and not sched.running
+        assert all(r.req_pool_idx is None and r.output_ids for r in retracted), "they keep their tokens"
+        if keep_kv:
+            assert kv.tree.total_size > in_tree  # their KV went to the tree
+        else:
+            assert kv.tree.total_size == in_tree  # only what the tree held before
+            assert kv.allocator.num_free_slots == kv.capacity - in_tree  # the rest is free
+        kv.flush()
+        assert kv.allocator.num_free_slots == kv.capacity, "a retraction leaked KV slots"

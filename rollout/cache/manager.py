@@ -140,15 +140,19 @@ class KVManager:
         req.num_allocated_slots = new_len
 
     # ---- release ----------------------------------------------------------------------
-    def release(self, req: Req) -> None:
-        """Finished, aborted or retracted: computed KV goes to the tree (when on), the rest
-        back to the allocator, the row is freed. The request keeps its tokens."""
+    def release(self, req: Req, *, cache: bool = True) -> None:
+        """Finished, aborted or retracted: computed KV goes to the tree (when on and `cache`),
+        the rest back to the allocator, the row is freed. The request keeps its tokens.
+        cache=False frees the request's own KV outright (it was made by weights about to be
+        replaced), leaving the prefix it shares with the tree to the tree."""
         row = req.req_pool_idx
         if row is None:
             return
         slots = self.table[row, : req.num_allocated_slots].clone()
         start_free = req.num_prefix_tokens if self.tree is not None else 0
-        if self.tree is not None:
+        if self.tree is not None and not cache:
+            self.tree.dec_lock(req.last_node)  # type: ignore[arg-type]
+        elif self.tree is not None:
             n = self.tree.aligned(req.num_computed_tokens)
             present = self.tree.insert(req.all_ids[:n], slots[:n], req.cache_key)
             # [prefix, present): the tree already had other slots for these tokens.
