@@ -219,7 +219,7 @@ def _check_named_tensor(name: object, tensor: object) -> None:
         raise TypeError(f"weight {name!r} is a DTensor shard; call .full_tensor() first (iter_hf_weights does)")
     if tensor.layout != torch.strided:
         raise TypeError(f"weight {name!r}: only dense tensors can be sent, got layout {tensor.layout}")
-    if tensor.device.type == "meta":
+    if tensor.is_meta:  # not tensor.device.type: a device object per call, 0.8 us of a ~2 us check
         raise ValueError(f"weight {name!r} is on the meta device and has no data")
     try:
         dtype_to_name(tensor.dtype)

@@ -309,7 +309,10 @@ class _NotDelivered(WeightSyncError):
 
 
 def _exportable_in_place(tensor: torch.Tensor, device: torch.device) -> bool:
-    return tensor.device == device and tensor.is_contiguous() and tensor.numel() > 0
+    # get_device() (-1 off CUDA), not tensor.device == device: no device object per tensor;
+    # the tests' CPU twin sends from "cpu" (meta tensors were refused before this)
+    want = device.index if device.type == "cuda" else -1
+    return tensor.get_device() == want and tensor.is_contiguous() and tensor.numel() > 0
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
