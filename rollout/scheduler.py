@@ -114,8 +114,8 @@ class Scheduler:
     def retract_all(self, which: Callable[[Req], bool] | None = None, *, keep_kv: bool = True) -> list[Req]:
         """Retract every running request (or those `which` selects), newest first.
         keep_kv=False drops their KV instead of caching it: for a weight update, an adapter
-        update or sleep, which drop that KV right after (inserting 32 requests' KV into the
-        tree only to flush it was most of a retraction: CPU, 2.3 + 1.0 ms)."""
+        update or sleep, which drop that KV right after (inserting it into the tree only to
+        flush it was half the work: 32 requests, retract + flush 3.38 -> 1.72 ms on CPU)."""
         victims = [r for r in reversed(self.running) if which is None or which(r)]
         for req in victims:
             self.retract(req, keep_kv=keep_kv)

@@ -143,8 +143,9 @@ class KVManager:
     def release(self, req: Req, *, cache: bool = True) -> None:
         """Finished, aborted or retracted: computed KV goes to the tree (when on and `cache`),
         the rest back to the allocator, the row is freed. The request keeps its tokens.
-        cache=False frees the request's own KV outright (it was made by weights about to be
-        replaced), leaving the prefix it shares with the tree to the tree."""
+        cache=False frees the request's own KV outright (made by weights or an adapter about
+        to be replaced, or about to be released by sleep), leaving the prefix it shares with
+        the tree to the tree."""
         row = req.req_pool_idx
         if row is None:
             return
