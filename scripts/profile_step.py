@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="EngineConfig(deterministic=True)")
     parser.add_argument("--prefill", action="store_true", help="profile the batch's prefill steps, not decode")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument("--lora", type=int, default=0,
+                        help="N > 0: N random rank-16 adapters on all seven modules, the requests spread over them")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -48,14 +50,16 @@ def main() -> None:
                                  page_size=16, max_running_requests=max(args.batch, 1), gpu_memory_fraction=0.6,
                                  cuda_graph=not args.no_graph, cuda_graph_max_bs=max(args.batch, 1),
                                  attention=args.attention, overlap_schedule=args.overlap,
-                                 deterministic=args.deterministic, max_prefill_tokens=args.max_prefill_tokens))
+                                 deterministic=args.deterministic, max_prefill_tokens=args.max_prefill_tokens,
+                                 enable_lora=args.lora > 0, max_loras_per_batch=max(args.lora, 1), max_lora_rank=16))
     vocab = SHAPES[args.shape]["vocab_size"]
+    names = load_adapters(engine, SHAPES[args.shape], args.lora)
     if args.prefill:
         return profile_prefill(engine, args, vocab, sync)
     prompts = torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, lora_name=names[i % len(names)] if names else None)
     run_to_decode(engine, warm_steps=3)  # prefill until every request decodes, then warm the decode path
 
     timer = PhaseTimer()
@@ -73,7 +77,9 @@ def main() -> None:
     if phases:
         phases["sample+bookkeeping"] = total - sum(phases.values())
     print(f"\n{args.shape} {engine.config.dtype}, batch {args.batch}, context ~{args.input_len}, graphs {engine.runner.graphs is not None}, "
-          f"attention {engine.runner.backend.name}, overlap {args.overlap}, deterministic {args.deterministic}: "
+          f"attention {engine.runner.backend.name}, overlap {args.overlap}, deterministic {args.deterministic}, "
+          f"LoRA adapters {args.lora} ({sum(r.lora_name is not None for r in engine.scheduler.running)} of "
+          f"{len(engine.scheduler.running)} running requests under one): "
           f"{1e3 * total / args.steps:.2f} ms per decode step")
     for name, secs in phases.items():
         print(f"  {name:<20} {1e3 * secs / args.steps:8.2f} ms")
@@ -86,6 +92,20 @@ def main() -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=args.top))
+
+
+def load_adapters(engine, cfg: dict, count: int) -> list[str]:
+    """`count` random rank-16 adapters on all seven modules (scripts.bench_lora's), loaded."""
+    if count <= 0:
+        return []
+    from scripts.bench_lora import MODULES, random_adapter
+
+    dtype = engine.config.torch_dtype
+    names = [f"lora{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        engine.load_lora_adapter(name, tensors=random_adapter(cfg, 16, i, engine.device, dtype),
+                                 config=dict(r=16, lora_alpha=32, target_modules=MODULES))
+    return names
 
 
 def profile_prefill(engine, args, vocab: int, sync) -> None:

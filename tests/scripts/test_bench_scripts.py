@@ -52,6 +52,13 @@ def test_profile_step_smoke_on_cpu(tmp_path) -> None:
     assert "ms per decode step" in text and trace.stat().st_size > 0
 
 
+def test_profile_step_with_adapters_smoke_on_cpu() -> None:
+    """--lora N: the batch's requests run N random adapters (the step's LoRA path profiled)."""
+    text = _run("scripts.profile_step", "--shape", "tiny", "--device", "cpu", "--batch", "3", "--steps", "2",
+                "--top", "3", "--lora", "2")
+    assert "LoRA adapters 2 (3 of 3 running requests under one)" in text and "ms per decode step" in text, text[-1500:]
+
+
 def test_profile_step_prefill_smoke_on_cpu() -> None:
     """--prefill times the steps that prefill the batch: 3 prompts of 40 in chunks of 64 rows."""
     text = _run("scripts.profile_step", "--shape", "tiny", "--device", "cpu", "--prefill", "--batch", "3",
