@@ -225,9 +225,8 @@ def main() -> None:
         return
 
     def run_workloads(engine, label: str, make_engine) -> None:
-        def record(name, outs, seconds, prompt_lens, output_lens, computed, prefill=None, steps=0, decode_ms=0.0,
-                   graph_share=0.0, compiled=None):
-            compiled = compiled or CompileRecord()
+        def record(name, outs, seconds, prompt_lens, output_lens, computed, compiled: CompileRecord, prefill=None,
+                   steps=0, decode_ms=0.0, graph_share=0.0):
             r = Result(f"{name} [{label}]", sum(len(o.token_ids) for o in outs), seconds, steps,
                        *roof.time(prompt_lens, output_lens, computed), prefill, decode_ms,
                        len(compiled.names), compiled.seconds)
@@ -246,13 +245,13 @@ def main() -> None:
                     prompts, out_len = rand_prompts(256, 512, g), 256
                     params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
                     outs, secs, _, dms, gshare, comp = run_engine(engine, prompts, params)
-                    record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512,
-                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare, compiled=comp)
+                    record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512, comp,
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
                 elif w == "b":
                     params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
                     outs, secs, _, dms, gshare, comp = run_engine(engine, rand_prompts(1, 128, g), params)
-                    record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128,
-                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare, compiled=comp)
+                    record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128, comp,
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
                 elif w == "c":
                     prompts = rand_prompts(64, 1024, g)
                     params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
@@ -263,8 +262,8 @@ def main() -> None:
                         outs, secs, prefill, dms, gshare, comp = run_engine(eng, prompts, params)
                         computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
                         record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
-                               [1024] * 512, [256] * 512, computed, prefill, steps=eng.counters.steps - steps0,
-                               decode_ms=dms, graph_share=gshare, compiled=comp)
+                               [1024] * 512, [256] * 512, computed, comp, prefill, steps=eng.counters.steps - steps0,
+                               decode_ms=dms, graph_share=gshare)
                         if not radix:
                             del eng
                             gc.collect()
@@ -276,8 +275,8 @@ def main() -> None:
                     prompts = [rand_prompts(1, n, g)[0] for n in lens_in]
                     params = [SamplingParams(temperature=0, max_new_tokens=o, ignore_eos=True) for o in lens_out]
                     outs, secs, _, dms, gshare, comp = run_engine(engine, prompts, params)
-                    record("d: 256 x uniform[100,1024] in/out", outs, secs, lens_in, lens_out, sum(lens_in),
-                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare, compiled=comp)
+                    record("d: 256 x uniform[100,1024] in/out", outs, secs, lens_in, lens_out, sum(lens_in), comp,
+                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
             except Exception:  # keep going: one failing workload must not lose the others' figures
                 traceback.print_exc()
 

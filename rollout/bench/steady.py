@@ -21,13 +21,16 @@ class PhaseTimer:
     `after` (a device sync, say) runs inside the timed span. `restore()` unwraps them all."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
         self.samples: dict[str, list[float]] = {}  # each call's seconds, in order
         self._originals: list[tuple[object, str, Callable]] = []
 
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Total seconds per key."""
+        return {key: sum(times) for key, times in self.samples.items()}
+
     def add(self, obj: object, name: str, key: str | None = None, after: Callable[[], None] | None = None) -> None:
         fn, key = getattr(obj, name), key or name
-        self.seconds.setdefault(key, 0.0)
         self.samples.setdefault(key, [])
 
         def wrapper(*args, **kwargs):
@@ -35,9 +38,7 @@ class PhaseTimer:
             out = fn(*args, **kwargs)
             if after is not None:
                 after()
-            took = time.perf_counter() - start
-            self.seconds[key] += took
-            self.samples[key].append(took)
+            self.samples[key].append(time.perf_counter() - start)
             return out
 
         setattr(obj, name, wrapper)

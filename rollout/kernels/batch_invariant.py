@@ -23,6 +23,7 @@ engine's builder).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -118,6 +119,7 @@ def config_for(m: int, n: int, k: int = 0) -> TileConfig:
 _SHARED_BUDGET = 200 * 1024
 
 
+@functools.cache  # every eager call asks; a handful of configs x element sizes
 def fit_shared_memory(c: TileConfig, element_size: int) -> TileConfig:
     """The config with its K step halved (then stages dropped) until its pipeline's tiles fit
     the budget at this element size. The K step never changes the bits (see above), so a
