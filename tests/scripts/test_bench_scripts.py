@@ -100,13 +100,24 @@ def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
 
 def test_sgmv_bench_tables_smoke_on_cpu() -> None:
     """Both tables of python -m lora.kernels.bench on the tiny shape, the kernels under the
-    interpreter: per projection, and the decode step in the three launch modes."""
+    interpreter: per projection, and the decode step in the four launch modes."""
     text = _run("lora.kernels.bench", "--device", "cpu")
     assert sum(line.startswith(("qkv ", "o ", "gate_up ", "down ")) for line in text.splitlines()) == 4 * 6, text
     steps = [line.split() for line in text.splitlines() if line[:1].isdigit()]
     assert [row[:2] for row in steps] == [["1", "1"], ["4", "1"], ["4", "2"]], text[-1500:]
-    assert all(len(row) == 3 + 3 + 3 for row in steps[1:]), "base, three modes, three added columns"
-    assert "in order ms" in text and "side+pdl ms" in text and "PDL available here: False" in text
+    assert all(len(row) == 3 + 4 + 4 for row in steps[1:]), "base, four modes, four added columns"
+    assert "in order ms" in text and "side+pdl ms" in text and "deferred ms" in text
+    assert "PDL available here: False" in text
+
+
+def test_finite_check_sweep_smoke_on_cpu() -> None:
+    """python -m rollout.kernels.bench_finite on the tiny shape under the interpreter: the
+    model's tensors, the copy and read peers, one swept variant (checked, then timed)."""
+    text = _run("rollout.kernels.bench_finite", "--device", "cpu")
+    assert "tiny: 21 tensors" in text and "copy (read + write)" in text and "flat amax (read)" in text, text
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[:3] for row in rows] == [["4096", "1024", "4"]], text
+    assert "best: CHUNK=4096 BLOCK=1024 warps=4" in text
 
 
 def test_bench_sleep_smoke_on_cpu() -> None:
