@@ -33,6 +33,13 @@ from rollout.model.forward_batch import LoraInputs
 from rollout.model.parallel import take_shard
 
 
+# Deferred deltas up to this many rows. H200, Llama-3-8B, rank 16, the 4 projections x 32
+# layers in one graph (python -m lora.kernels.bench --only step), added ms in place ->
+# deferred: 1 row +0.73 -> +0.38; 16 rows x 1 adapter +0.81 -> +0.50, x 8 adapters 1.29 ->
+# 1.33; 64 rows 1.12 -> 1.43 (the side stream's work then outlasts the GEMMs it hides under).
+DEFER_MAX_ROWS = 16
+
+
 class LoraPool:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, targets: tuple[str, ...],
                  dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> None:
@@ -62,6 +69,10 @@ class LoraPool:
         self.bind_views()
         self.batch: LoraInputs | None = None  # the next forward's segments; None: no adapter runs
         self.concurrent = False  # the next forward's shrinks run beside the base matmuls (hook.py)
+        # Deferred deltas (hook.py): batches of up to this many rows leave the expand's delta
+        # to the consumer kernel. Set at construction; 0 turns deferral off.
+        self.defer_max_rows = DEFER_MAX_ROWS
+        self.defer_eager = False  # tests: defer outside graphs too (one stream), to check the path on CPU
         self._side_stream: torch.cuda.Stream | None = None
 
     def bind_views(self) -> None:
@@ -207,6 +218,10 @@ class LoraPool:
         captures): each shrink runs on a side stream beside its base matmul."""
         self.batch = inputs if active else None
         self.concurrent = concurrent and self.device.type == "cuda"
+
+    def defers(self, num_rows: int) -> bool:
+        """Does a projection of `num_rows` rows that can take a delta get one (hook.py)?"""
+        return (self.concurrent or self.defer_eager) and num_rows <= self.defer_max_rows
 
     def hook(self, layer: int, module: str) -> LoraHook | None:
         return LoraHook(self, layer, module) if module in self.shapes else None

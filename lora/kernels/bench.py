@@ -21,7 +21,10 @@ own `Linear` + `LoraHook` + `LoraPool` -- without LoRA, and with it in three lau
   in order   shrink, GEMM, expand on one stream, plain launches (the engine before #10's
              second pass: 2 LoRA launches per projection on the critical path)
   side       the shrink on a side stream beside the GEMM (graph branches), expand after it
-  side+pdl   and expand launched early with programmatic dependent launch (the default)
+  side+pdl   and expand launched early with programmatic dependent launch (the default
+             past LoraPool.defer_max_rows)
+  deferred   shrink and expand both on the side stream into an fp32 delta the consumer adds
+             (`Linear.forward_deferred`; the consumer's extra read is not in this table)
 The "added" columns are (step with LoRA - step without) in ms and against the real decode
 step (BASE_STEP_MS, measured end to end: attention, norms and sampling included).
 """
@@ -39,7 +42,7 @@ import torch
 PEAK_GBPS = 4800.0  # H200 HBM3e
 # Base decode step of Llama-3-8B on an H200 without LoRA (ms): the budget the LoRA ops eat into.
 BASE_STEP_MS = {1: 4.8, 256: 13.0}
-MODES = ("in order", "side", "side+pdl")
+MODES = ("in order", "side", "side+pdl", "deferred")
 
 
 class Timer:
@@ -178,14 +181,19 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
                 for linear, fan_in in linears:
                     linear(xs[fan_in])
 
+            def step_deferred() -> None:
+                for linear, fan_in in linears:
+                    linear.forward_deferred(xs[fan_in])
+
             times = {}
             with torch.inference_mode():
                 pool.plan(None, active=False)
                 times["base"] = timer.ms(step)
                 for mode in MODES:
-                    sgmv._PDL_ENV = mode == "side+pdl"
+                    sgmv._PDL_ENV = mode in ("side+pdl", "deferred")
                     pool.plan(inputs, active=True, concurrent=mode != "in order")
-                    times[mode] = timer.ms(step)
+                    pool.defer_max_rows = batch if mode == "deferred" else 0
+                    times[mode] = timer.ms(step_deferred if mode == "deferred" else step)
             sgmv._PDL_ENV = True
             real = BASE_STEP_MS.get(batch)
             added = "".join(f"{times[m] - times['base']:>9.2f}" + (f"{100 * (times[m] - times['base']) / real:>7.1f}%"

@@ -3,7 +3,7 @@
 * ``rms_norm``: (optional residual add +) RMSNorm, one pass over each row.
 * ``silu_and_mul``: ``silu(gate) * up`` straight from the fused gate/up projection output.
 * ``rotary_embedding``: rotate-half RoPE of q and k in one launch, cos/sin gathered by
-  position inside the kernel.
+  position inside the kernel (and, with a deferred adapter delta, v's share of it added).
 * ``store_kv``: the new tokens' K and V into the paged pool by slot, one launch.
 
 Each mirrors a torch twin in ``rollout.model.llama`` (the CPU path and the reference) op by
@@ -17,6 +17,12 @@ torch's in its last bits. tests/kernels/test_fused.py states the tolerances.
 
 All tensors must be contiguous in their last dim; rows may be strided (q/k may be views
 of the fused qkv projection output). Outputs are new contiguous tensors unless stated.
+
+``delta`` (rms_norm with a residual, silu_and_mul, rotary_embedding): a LoRA adapter's
+deferred delta (lora/hook.py), fp32 and contiguous in the shape of the projection output
+the kernel reads. It is added on load and rounded once to the input's dtype, which is what
+the in-place expand would have left in that input, so the result is bit-equal to the
+kernel run on ``with_delta(input, delta)`` (rollout.model.llama) and no launch is spent on it.
 Runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests; the interpreter
 truncates fp32 -> bf16 instead of rounding to nearest, so bf16 is only exact on a GPU).
 """
@@ -53,6 +59,14 @@ def _last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
+def _check_delta(delta: torch.Tensor, y: torch.Tensor) -> None:
+    """A deferred adapter delta: fp32, contiguous, the 2-D shape of the output it is added to."""
+    if y.dim() != 2 or delta.shape != y.shape or delta.dtype != torch.float32 or not delta.is_contiguous() \
+            or delta.device != y.device:
+        raise ValueError(f"delta must be a contiguous float32 {tuple(y.shape)} on {y.device} (for a 2-D input), "
+                         f"got {delta.dtype} {tuple(delta.shape)} on {delta.device}")
+
+
 def _num_warps(elements: int) -> int:
     return min(max(elements // 256, 1), 8)
 
@@ -61,10 +75,13 @@ def _num_warps(elements: int) -> int:
 
 
 @triton.jit
-def _load_sum(x_ptr, res_ptr, res_out_ptr, x_off, r_off, o_off, mask, HAS_RESIDUAL: tl.constexpr,
-              STORE_RESIDUAL: tl.constexpr):
-    """r = x (+ residual), rounded to the input dtype as torch's add is; returned in fp32."""
+def _load_sum(x_ptr, res_ptr, res_out_ptr, delta_ptr, x_off, r_off, o_off, mask, HAS_RESIDUAL: tl.constexpr,
+              STORE_RESIDUAL: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """r = (x + delta) (+ residual), each sum rounded to the input dtype as torch's add is;
+    returned in fp32. The delta is laid out as the (contiguous) output."""
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = (x.to(tl.float32) + tl.load(delta_ptr + o_off, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + r_off, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -75,11 +92,12 @@ def _load_sum(x_ptr, res_ptr, res_out_ptr, x_off, r_off, o_off, mask, HAS_RESIDU
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, delta_ptr,
     n_rows, n_inner, n_cols,
     stride_x0, stride_x1, stride_r0, stride_r1,
     eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
 ):
     # A row is (outer, inner) of a [outer, inner, n_cols] view, so that q/k views of the
     # fused qkv output ([T, H, D] with a row stride of the whole qkv width) need no copy.
@@ -97,8 +115,8 @@ def _rms_norm_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
-        h = _load_sum(x_ptr, res_ptr, res_out_ptr, x_row + cols[None, :], r_row + cols[None, :],
-                      o_row + cols[None, :], mask, HAS_RESIDUAL, True)  # [BLOCK_M, BLOCK_N] fp32
+        h = _load_sum(x_ptr, res_ptr, res_out_ptr, delta_ptr, x_row + cols[None, :], r_row + cols[None, :],
+                      o_row + cols[None, :], mask, HAS_RESIDUAL, True, HAS_DELTA)  # [BLOCK_M, BLOCK_N] fp32
         rstd = tl.math.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)  # [BLOCK_M]
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         # transformers' order: cast the normalized fp32 row to the input dtype, THEN scale.
@@ -114,16 +132,16 @@ def _rms_norm_kernel(
         for c in range(NUM_CHUNKS):
             cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            h = _load_sum(x_ptr, res_ptr, res_out_ptr, x_row + cols[None, :], r_row + cols[None, :],
-                          o_row + cols[None, :], mask, HAS_RESIDUAL, True)
+            h = _load_sum(x_ptr, res_ptr, res_out_ptr, delta_ptr, x_row + cols[None, :], r_row + cols[None, :],
+                          o_row + cols[None, :], mask, HAS_RESIDUAL, True, HAS_DELTA)
             acc += tl.sum(h * h, axis=1)
         rstd = tl.math.rsqrt(acc / n_cols + eps)
         for c in range(NUM_CHUNKS):
             cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
-            h = _load_sum(x_ptr, res_ptr, res_out_ptr, x_row + cols[None, :], r_row + cols[None, :],
-                          o_row + cols[None, :], mask, HAS_RESIDUAL, False)
+            h = _load_sum(x_ptr, res_ptr, res_out_ptr, delta_ptr, x_row + cols[None, :], r_row + cols[None, :],
+                          o_row + cols[None, :], mask, HAS_RESIDUAL, False, HAS_DELTA)
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             hn = (h * rstd[:, None]).to(x_dtype).to(tl.float32)
             tl.store(out_ptr + o_row + cols[None, :], (hn * w[None, :]).to(out_dtype), mask=mask)
@@ -138,14 +156,16 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None,
-             rows_per_program: int | None = None) -> torch.Tensor: ...
+             rows_per_program: int | None = None, delta: torch.Tensor | None = None) -> torch.Tensor: ...
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-             rows_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+             rows_per_program: int | None = None,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             rows_per_program: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             rows_per_program: int | None = None,
+             delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., N], in transformers' LlamaRMSNorm op order:
     ``h = r.float(); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(x.dtype)``.
 
@@ -154,6 +174,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     left untouched: no aliasing surprises for callers that keep them, and the same memory
     traffic as an in-place update). Without it, ``r = x`` and only ``out`` is returned.
     ``out`` has dtype ``promote(x.dtype, weight.dtype)`` like the torch expression.
+    ``delta`` (2-D x only): an fp32 [T, N] added to x first (see the module docstring).
     """
     _check_dtype("x", x)
     _check_dtype("weight", weight)
@@ -170,6 +191,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                              f"{tuple(residual.shape)} {residual.dtype}")
         _last_dim_contiguous("residual", residual)
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if delta is not None:
+        _check_delta(delta, x)
     if x.numel() == 0:
         return out if res_out is None else (out, res_out)
 
@@ -185,12 +208,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block_n, chunks, block_m = _CHUNK_N, triton.cdiv(n, _CHUNK_N), 1
     grid = (triton.cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
-        x3, r3, weight, out, res_out if res_out is not None else out,
+        x3, r3, weight, out, res_out if res_out is not None else out, delta if delta is not None else out,
         n_rows, x3.shape[1], n,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         eps,
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
-        num_warps=_num_warps(block_m * block_n),
+        HAS_DELTA=delta is not None, num_warps=_num_warps(block_m * block_n),
     )
     return out if res_out is None else (out, res_out)
 
@@ -199,13 +222,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, n_cols, stride_x, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:  # the adapter's delta, rounded into gate_up's dtype as the in-place expand would
+        d = delta_ptr + row * 2 * n_cols + cols
+        gate = (gate + tl.load(d, mask=mask, other=0.0)).to(dtype).to(tl.float32)
+        up = (up + tl.load(d + n_cols, mask=mask, other=0.0)).to(dtype).to(tl.float32)
     # torch's F.silu on a 16-bit tensor computes x / (1 + exp(-x)) in fp32 and rounds to
     # the tensor dtype; the product with `up` is then a 16-bit multiply (exact in fp32,
     # rounded once). Round at the same two points so the result is torch's, not a more
@@ -214,21 +241,25 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n_cols + cols, (silu * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [..., 2I] (gate first, up second) -> silu(gate) * up [..., I], in gate_up's
-    dtype with fp32 math inside, rounded where ``F.silu(gate) * up`` rounds."""
+    dtype with fp32 math inside, rounded where ``F.silu(gate) * up`` rounds. ``delta`` (2-D
+    gate_up only): an fp32 [T, 2I] added to gate_up first (see the module docstring)."""
     _check_dtype("gate_up", gate_up)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (gate | up), got {gate_up.shape[-1]}")
     _last_dim_contiguous("gate_up", gate_up)
     inter = gate_up.shape[-1] // 2
+    if delta is not None:
+        _check_delta(delta, gate_up)
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
         return out
     x2 = gate_up.reshape(-1, 2 * inter)  # [T, 2I], a view for the usual [T, 2I] input
     block = min(triton.next_power_of_2(inter), _SILU_BLOCK)
     grid = (x2.shape[0], triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[grid](x2, out, delta if delta is not None else out, inter, x2.stride(0), BLOCK=block,
+                               HAS_DELTA=delta is not None, num_warps=4)
     return out
 
 
@@ -236,9 +267,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_heads(x_ptr, o_ptr, t, heads, n_heads, stride_xt, stride_xh, stride_ot, stride_oh,
-                cos, sin, cols, col_mask, half):
-    """Rotate heads[:] of token t: out1 = x1*c - x2*s, out2 = x2*c + x1*s (rotate-half)."""
+def _rope_heads(x_ptr, o_ptr, d_ptr, t, heads, n_heads, stride_xt, stride_xh, stride_ot, stride_oh, stride_dt,
+                cos, sin, cols, col_mask, half, HAS_DELTA: tl.constexpr):
+    """Rotate heads[:] of token t: out1 = x1*c - x2*s, out2 = x2*c + x1*s (rotate-half),
+    after adding the deferred delta (this tensor's columns of it, at d_ptr)."""
     mask = (heads < n_heads)[:, None] & col_mask[None, :]  # [BLOCK_H, BLOCK_HALF]
     heads = heads.to(tl.int64)
     x_off = t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
@@ -246,6 +278,10 @@ def _rope_heads(x_ptr, o_ptr, t, heads, n_heads, stride_xt, stride_xh, stride_ot
     x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + x_off + half, mask=mask, other=0.0).to(tl.float32)
     dtype = o_ptr.dtype.element_ty
+    if HAS_DELTA:
+        d_off = t * stride_dt + heads[:, None] * (2 * half) + cols[None, :]
+        x1 = (x1 + tl.load(d_ptr + d_off, mask=mask, other=0.0)).to(dtype).to(tl.float32)
+        x2 = (x2 + tl.load(d_ptr + d_off + half, mask=mask, other=0.0)).to(dtype).to(tl.float32)
     # llama._rotate runs in the model dtype: each product and each sum is rounded to it.
     # (For fp32 the casts are no-ops; the launch disables FMA contraction so mul-then-sub
     # stays two roundings, like torch's separate kernels.)
@@ -256,38 +292,62 @@ def _rope_heads(x_ptr, o_ptr, t, heads, n_heads, stride_xt, stride_xh, stride_ot
 
 
 @triton.jit
+def _add_delta_heads(v_ptr, d_ptr, t, heads, n_heads, stride_vt, stride_vh, stride_dt, cols, col_mask, half):
+    """v[t, heads] += its delta, in place, rounded once to v's dtype (no rotation)."""
+    mask = (heads < n_heads)[:, None] & col_mask[None, :]
+    heads = heads.to(tl.int64)
+    dtype = v_ptr.dtype.element_ty
+    for h0 in tl.static_range(0, 2):  # the two halves of head_dim, with the rotary tile's columns
+        v_off = t * stride_vt + heads[:, None] * stride_vh + cols[None, :] + h0 * half
+        d_off = t * stride_dt + heads[:, None] * (2 * half) + cols[None, :] + h0 * half
+        v = tl.load(v_ptr + v_off, mask=mask, other=0.0).to(tl.float32)
+        tl.store(v_ptr + v_off, (v + tl.load(d_ptr + d_off, mask=mask, other=0.0)).to(dtype), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, v_ptr, delta_ptr,
     n_q_heads, n_k_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh,
-    stride_cs,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    stride_cs, stride_vt, stride_vh, stride_dt,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_DELTA: tl.constexpr,
 ):
-    # grid: (T, q head blocks + k head blocks); q and k share one launch and one cos/sin
-    # gather per token.
+    # grid: (T, q head blocks + k head blocks [+ v head blocks with a delta]); q and k share
+    # one launch and one cos/sin gather per token. The delta's columns are q's, k's, v's.
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    n_k_blocks = tl.cdiv(n_k_heads, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < half
+    dq_ptr = delta_ptr
+    dk_ptr = delta_ptr + n_q_heads * 2 * half
+    dv_ptr = dk_ptr + n_k_heads * 2 * half
+    if HAS_DELTA:
+        if hb >= n_q_blocks + n_k_blocks:  # v's delta, in place
+            heads = (hb - n_q_blocks - n_k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+            _add_delta_heads(v_ptr, dv_ptr, t, heads, n_k_heads, stride_vt, stride_vh, stride_dt, cols, col_mask,
+                             half)
+            return
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     dtype = qo_ptr.dtype.element_ty
     # Rotary.forward casts the fp32 tables to the model dtype before use.
     cos = tl.load(cos_ptr + pos * stride_cs + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cs + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
     if hb < n_q_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        _rope_heads(q_ptr, qo_ptr, t, heads, n_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
-                    cos, sin, cols, col_mask, half)
+        _rope_heads(q_ptr, qo_ptr, dq_ptr, t, heads, n_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
+                    stride_dt, cos, sin, cols, col_mask, half, HAS_DELTA)
     else:
         heads = (hb - n_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        _rope_heads(k_ptr, ko_ptr, t, heads, n_k_heads, stride_kt, stride_kh, stride_kot, stride_koh,
-                    cos, sin, cols, col_mask, half)
+        _rope_heads(k_ptr, ko_ptr, dk_ptr, t, heads, n_k_heads, stride_kt, stride_kh, stride_kot, stride_koh,
+                    stride_dt, cos, sin, cols, col_mask, half, HAS_DELTA)
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     positions: torch.Tensor, *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     positions: torch.Tensor, *, inplace: bool = False, v: torch.Tensor | None = None,
+                     delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (HF, non-interleaved) RoPE of q [T, H, D] and k [T, Hkv, D] at
     ``positions`` [T] (int), with cos/sin tables [max_pos, D/2] (fp32, cast to q's dtype
     before use, as ``Rotary.forward`` does). q/k may be strided views (e.g. slices of the
@@ -296,6 +356,10 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     Returns new contiguous (q_rot, k_rot), or with ``inplace=True`` writes into q and k and
     returns them. Positions are not bounds-checked (that would cost a device sync): callers
     keep them below max_pos.
+
+    ``delta``: the qkv projection's deferred adapter delta, fp32 [T, (H + 2 Hkv) D] (q's, k's,
+    then v's columns), added to q and k before they rotate and to ``v`` [T, Hkv, D] (then
+    required) in place, in the same launch (see the module docstring).
     """
     _check_dtype("q", q)
     if q.dim() != 3 or k.dim() != 3:
@@ -311,24 +375,35 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         raise ValueError(f"cos/sin must be [max_pos, {half}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
     for name, tensor in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _last_dim_contiguous(name, tensor)
+    n_k = k.shape[1]
+    if delta is not None:
+        if v is None or v.shape != k.shape or v.dtype != q.dtype:
+            raise ValueError(f"a delta needs v shaped like k {tuple(k.shape)} {q.dtype}, got "
+                             f"{None if v is None else (tuple(v.shape), v.dtype)}")
+        _last_dim_contiguous("v", v)
+        width = (n_q + 2 * n_k) * d
+        if delta.shape != (t, width) or delta.dtype != torch.float32 or not delta.is_contiguous() \
+                or delta.device != q.device:
+            raise ValueError(f"delta must be a contiguous float32 ({t}, {width}) on {q.device}, got {delta.dtype} "
+                             f"{tuple(delta.shape)} on {delta.device}")
     if cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t == 0:
         return q_out, k_out
-    n_k = k.shape[1]
     block_half = triton.next_power_of_2(half)
     # Head blocks sized by the (smaller) kv head count so k is not mostly masked lanes.
     block_h = max(1, min(triton.next_power_of_2(max(n_k, 4)), _TILE // block_half))
-    grid = (t, triton.cdiv(n_q, block_h) + triton.cdiv(n_k, block_h))
-    _rotary_kernel[grid](
-        q, k, q_out, k_out, cos, sin, positions,
+    head_blocks = triton.cdiv(n_q, block_h) + triton.cdiv(n_k, block_h) * (1 if delta is None else 2)
+    vv = v if delta is not None else q  # unread without a delta
+    _rotary_kernel[(t, head_blocks)](
+        q, k, q_out, k_out, cos, sin, positions, vv, delta if delta is not None else cos,
         n_q, n_k, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos.stride(0),
-        BLOCK_H=block_h, BLOCK_HALF=block_half,
+        cos.stride(0), vv.stride(0), vv.stride(1), delta.stride(0) if delta is not None else 0,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_DELTA=delta is not None,
         num_warps=_num_warps(block_h * block_half),
         enable_fp_fusion=False,
     )

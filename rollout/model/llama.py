@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 
 
 class LoraProjection(Protocol):
-    """Adds adapter deltas to a projection (lora/hook.py): `begin(x)` before the base matmul
-    (its shrink may run beside it), `finish(pending, y)` after, updating y in place."""
+    """Adds adapter deltas to a projection (lora/hook.py): `begin(x, defer)` before the base
+    matmul (its shrink may run beside it), `finish(pending, y)` after, updating y in place or,
+    when `defer` was granted, returning an fp32 delta the caller adds (else None)."""
 
-    def begin(self, x: torch.Tensor) -> torch.Tensor | None: ...
+    def begin(self, x: torch.Tensor, defer: bool = False) -> Any: ...
 
-    def finish(self, pending: torch.Tensor | None, out: torch.Tensor) -> None: ...
+    def finish(self, pending: Any, out: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class RMSNorm(nn.Module):
@@ -52,12 +53,14 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): the residual add fused into the norm on GPU."""
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm on GPU.
+        `delta`: the projection's deferred adapter delta, added to x first (Linear.forward_deferred)."""
         if kernels.use_fused(x):
             return kernels.fused.rms_norm(x, self.weight, self.eps, residual=residual,
-                                          rows_per_program=self.rows_per_program)
-        r = residual + x
+                                          rows_per_program=self.rows_per_program, delta=delta)
+        r = residual + with_delta(x, delta)
         return self(r), r
 
 
@@ -96,10 +99,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D] (may be strided views of the qkv projection output)
-        if kernels.use_fused(q):  # GPU: one launch for q and k, cos/sin gathered in-kernel
-            return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k). q: [T, H, D], k and v: [T, Hkv, D] (may be strided views of the qkv
+        projection output). `delta`: that projection's deferred adapter delta [T, (H + 2 Hkv) D],
+        added to q and k before they rotate and to v in place."""
+        if kernels.use_fused(q):  # GPU: one launch for q and k (and v's delta), cos/sin gathered in-kernel
+            return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta)
+        if delta is not None:
+            assert v is not None, "a qkv delta needs v"
+            dq, dk, dv = delta.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
+            q, k = with_delta(q, dq.view(q.shape)), with_delta(k, dk.view(k.shape))
+            v.copy_(with_delta(v, dv.view(v.shape)))
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -131,6 +142,23 @@ class Linear(nn.Module):
         lora.finish(pending, y)
         return y
 
+    def forward_deferred(self, x: torch.Tensor, defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, delta): like forward, but an adapter delta may be left out of y, as fp32
+        [T, out] for the caller's next kernel to add (`with_delta`; lora/hook.py says when).
+        `defer=False` (e.g. the delta must precede a TP all-reduce) always adds it here."""
+        lora = self.lora
+        if lora is None:
+            return self.matmul(x, self.weight, self.bias), None
+        pending = lora.begin(x, defer)
+        y = self.matmul(x, self.weight, self.bias)
+        return y, lora.finish(pending, y)
+
+
+def with_delta(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """y with a deferred adapter delta added, rounded once to y's dtype: what the in-place
+    expand would have left in y (the torch path; the fused kernels do this on load)."""
+    return y if delta is None else (y.float() + delta).to(y.dtype)
+
 
 class Attention(nn.Module):
     """This rank's heads (all of them without TP): qkv column-parallel, o_proj row-parallel."""
@@ -149,17 +177,23 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, o_proj's deferred adapter delta or None): the caller's norm adds the delta."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # q/k norms come before the rotary: a delta there is added by the projection itself
+        qkv, delta = self.qkv_proj.forward_deferred(x, defer=self.q_norm is None)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, v=v, delta=delta)
         o = backend.forward(q, k, v, self.layer_id)  # [T, H, D]
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))  # partial sums over heads
+        # row-parallel: each rank's delta is a partial sum the all-reduce must carry
+        out, delta = self.o_proj.forward_deferred(o.reshape(t, self.q_size), defer=self.tp.size == 1)
+        return self.tp.all_reduce(out), delta  # partial sums over heads
 
 
 class MLP(nn.Module):
@@ -172,12 +206,16 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I/tp]
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, down_proj's deferred adapter delta or None): the next norm adds the delta."""
+        gate_up, delta = self.gate_up_proj.forward_deferred(x)  # [T, 2I/tp]
         if kernels.use_fused(gate_up):  # GPU: one kernel instead of silu, then mul
-            return self.tp.all_reduce(self.down_proj(kernels.fused.silu_and_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+            act = kernels.fused.silu_and_mul(gate_up, delta=delta)
+        else:
+            gate, up = with_delta(gate_up, delta).split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        out, delta = self.down_proj.forward_deferred(act, defer=self.tp.size == 1)  # row-parallel, as o_proj
+        return self.tp.all_reduce(out), delta
 
 
 class DecoderLayer(nn.Module):
@@ -188,17 +226,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp output, residual stream before it): the next layer (or the final norm) adds
-        the two inside its own norm, one kernel instead of an add and a norm."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | None,
+                positions: torch.Tensor, rotary: Rotary,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(mlp output, residual stream before it, the mlp's deferred adapter delta or None):
+        the next layer (or the final norm) adds the three inside its own norm, one kernel
+        instead of an add, an adapter expand and a norm. `delta` is the previous layer's."""
         if residual is None:
+            assert delta is None, "the embedding has no adapter delta"
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add_norm(x, residual=residual)  # residual <- residual + x
-        a = self.self_attn(h, positions, rotary, backend)
-        h, residual = self.post_attention_layernorm.add_norm(a, residual=residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm.add_norm(x, residual=residual, delta=delta)  # residual <- residual + x
+        a, delta = self.self_attn(h, positions, rotary, backend)
+        h, residual = self.post_attention_layernorm.add_norm(a, residual=residual, delta=delta)
+        x, delta = self.mlp(h)
+        return x, residual, delta
 
 
 class LlamaModel(nn.Module):
@@ -232,10 +274,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual, delta = self.embed_tokens(input_ids), None, None
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, backend)
-        return self.norm.add_norm(x, residual=residual)[0]
+            x, residual, delta = layer(x, residual, delta, positions, self.rotary, backend)
+        return self.norm.add_norm(x, residual=residual, delta=delta)[0]
 
     def projections(self) -> Iterator[tuple[int, str, Linear]]:
         """(layer, name, module) of every projection an adapter can target."""

@@ -37,7 +37,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from rollout import kernels  # noqa: E402
 from rollout.kernels import fused  # noqa: E402
 from rollout.model.config import ModelConfig  # noqa: E402
-from rollout.model.llama import LlamaModel, _rotate  # noqa: E402
+from rollout.model.llama import LlamaModel, _rotate, with_delta  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -226,6 +226,79 @@ def test_rotary_inplace(dtype: torch.dtype) -> None:
     assert_matches(q, ref_q, max_ulps=0)
     assert_matches(k, ref_k, max_ulps=0)
     assert torch.equal(qkv[:, (n_q + n_kv) * dim :], v0), "v must be untouched"
+
+
+# ------------------------------------------------------- deferred adapter deltas (lora/hook.py)
+# A kernel given an fp32 delta must compute exactly what it computes on with_delta(input,
+# delta): the input the in-place expand would have left (one rounding of input + delta).
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 576, 9000])  # 9000: the wide-row path (two passes over chunks)
+def test_rms_norm_adds_a_delta_on_load(hidden: int, dtype: torch.dtype) -> None:
+    x, res = (torch.randn(6, hidden, device=DEVICE).to(dtype) for _ in range(2))
+    delta = torch.randn(6, hidden, device=DEVICE)
+    w = _weight(hidden, dtype)
+    with poisoned_outputs():
+        out, new_res = fused.rms_norm(x, w, EPS, residual=res, delta=delta)
+    want_out, want_res = fused.rms_norm(with_delta(x, delta), w, EPS, residual=res)
+    assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
+    assert not torch.equal(out, fused.rms_norm(x, w, EPS, residual=res)[0]), "the delta was not added"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_adds_a_delta_on_load(dtype: torch.dtype) -> None:
+    gate_up = torch.randn(5, 2 * 1100, device=DEVICE).to(dtype)  # 1100: two column blocks, the last ragged
+    delta = torch.randn(5, 2 * 1100, device=DEVICE)
+    with poisoned_outputs():
+        out = fused.silu_and_mul(gate_up, delta=delta)
+    assert torch.equal(out, fused.silu_and_mul(with_delta(gate_up, delta)))
+    assert not torch.equal(out, fused.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1), (4, 4)], ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+def test_rotary_adds_a_qkv_delta_and_updates_v_in_place(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    tokens, (n_q, n_kv), dim = 7, heads, 64
+    qkv = torch.randn(tokens, (n_q + 2 * n_kv) * dim, device=DEVICE).to(dtype)
+    delta = torch.randn(tokens, qkv.shape[1], device=DEVICE)
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split([n_q * dim, n_kv * dim, n_kv * dim], dim=-1)
+        return q.reshape(tokens, n_q, dim), k.reshape(tokens, n_kv, dim), v.reshape(tokens, n_kv, dim)
+
+    cos, sin = _tables(dim)
+    positions = torch.randint(0, cos.shape[0], (tokens,), device=DEVICE)
+    wq, wk, wv = views(with_delta(qkv, delta))  # before the call: it writes v in place
+    q, k, v = views(qkv)
+    with poisoned_outputs():
+        q_rot, k_rot = fused.rotary_embedding(q, k, cos, sin, positions, v=v, delta=delta)
+    want_q, want_k = fused.rotary_embedding(wq, wk, cos, sin, positions)
+    assert torch.equal(q_rot, want_q) and torch.equal(k_rot, want_k)
+    assert torch.equal(v, wv), "v must hold v + its delta"
+    # the torch twin of the rotation (llama.Rotary's CPU path) agrees too
+    ref_q, ref_k = _torch_rotary(wq, wk, cos, sin, positions)
+    assert_matches(q_rot, ref_q, max_ulps=0)
+    assert_matches(k_rot, ref_k, max_ulps=0)
+
+
+def test_deltas_are_checked() -> None:
+    x = torch.randn(3, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    for bad in (torch.zeros(3, 64, dtype=torch.float16, device=DEVICE), torch.zeros(3, 65, device=DEVICE),
+                torch.zeros(64, 3, device=DEVICE).T):
+        with pytest.raises(ValueError, match="delta must be a contiguous float32"):
+            fused.rms_norm(x, w, EPS, residual=x, delta=bad)
+        with pytest.raises(ValueError, match="delta must be a contiguous float32"):
+            fused.silu_and_mul(torch.randn(3, 64, device=DEVICE), delta=bad)
+    qkv = torch.randn(2, 6 * 16, device=DEVICE)
+    q, k, v = qkv[:, :64].reshape(2, 4, 16), qkv[:, 64:80].reshape(2, 1, 16), qkv[:, 80:].reshape(2, 1, 16)
+    cos, sin = _tables(16)
+    pos = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="a delta needs v"):
+        fused.rotary_embedding(q, k, cos, sin, pos, delta=torch.zeros(2, 96, device=DEVICE))
+    with pytest.raises(ValueError, match=r"delta must be a contiguous float32 \(2, 96\)"):
+        fused.rotary_embedding(q, k, cos, sin, pos, v=v, delta=torch.zeros(2, 80, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES + ([] if ON_GPU else [torch.bfloat16]), ids=str)

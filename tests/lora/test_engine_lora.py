@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import TinyModel, make_prompts
 
+from lora.hook import LoraHook
 from rollout import Engine, EngineConfig, SamplingParams
 from weightsync import iter_hf_weights
 
@@ -47,6 +48,24 @@ def test_mixed_batch_matches_peft(llama: TinyModel, ref: PeftRef, page_size: int
         assert out.token_ids == ref.greedy(adapter, prompt), f"adapter {adapter}"
         assert out.lora_name == adapter
         assert out.lora_versions == (None if adapter is None else [(0, 0, NEW)])
+        want = ref.logprobs(adapter, prompt, out.token_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), want, atol=1e-4), (adapter, out.logprobs, want)
+
+
+def test_deferred_deltas_match_peft(llama: TinyModel, ref: PeftRef, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer-added adapter deltas (lora/hook.py; on a GPU, decode graphs of up to
+    LoraPool.defer_max_rows rows) forced on for every step, prefill included."""
+    engine = _engine(llama, ref)
+    pool = engine.lora.pool  # type: ignore[union-attr]
+    pool.defer_eager, pool.defer_max_rows = True, 1 << 20
+    deferred: list[int] = []
+    real = LoraHook._deferred
+    monkeypatch.setattr(LoraHook, "_deferred", lambda self, x, args: deferred.append(1) or real(self, x, args))
+    prompts = make_prompts(llama.vocab_size, [5, 9, 3, 12, 7, 5, 20, 4], seed=41)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_name=MIX)
+    assert deferred, "no projection deferred its delta"
+    for out, prompt, adapter in zip(outs, prompts, MIX):
+        assert out.token_ids == ref.greedy(adapter, prompt), f"adapter {adapter}"
         want = ref.logprobs(adapter, prompt, out.token_ids)
         assert torch.allclose(torch.tensor(out.logprobs), want, atol=1e-4), (adapter, out.logprobs, want)
 
