@@ -91,9 +91,19 @@ def gpu(args) -> None:
     greedy = lambda n: SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)  # noqa: E731
     names = [f"lora{i}" for i in range(8)]
     results: dict[str, float] = {}
-    for lora in (False, True):
+    import lora.pool as lora_pool
+
+    deferred_rows = lora_pool.DEFER_MAX_ROWS
+    # --in-place-peer: a third engine whose graphs expand in place (no deferred deltas), so
+    # the two LoRA launch modes are compared in one run
+    engines = [(False, "no LoRA"), (True, "LoRA on")] + ([(True, "LoRA in-place")] if args.in_place_peer else [])
+    # --base-again: the LoRA-free engine once more at the end; rows compare against the mean of
+    # its two runs, so a drift of the machine over the run (clocks, heat) does not count as LoRA's
+    engines += [(False, "no LoRA, again")] if args.base_again else []
+    for lora, label in engines:
         if not lora and not {"a", "p", "b"} & set(args.workloads):
             continue  # the sync row alone needs no LoRA-free peer
+        lora_pool.DEFER_MAX_ROWS = 0 if label == "LoRA in-place" else deferred_rows  # read when the pool is built
         engine = make(lora)
         if lora:
             for k, name in enumerate(names):
@@ -102,7 +112,6 @@ def gpu(args) -> None:
         warm = prompts(8, 64, 1)
         engine.generate(input_ids=warm, sampling_params=greedy(16), lora_name=(names[:8] if lora else None))
         engine.generate(input_ids=warm[:1], sampling_params=greedy(16))
-        label = "LoRA on" if lora else "no LoRA"
         # Each row runs twice and times the second: the first compiles the SGMV kernel variants
         # its prefill shapes pick (once per process in real use; decode graphs are captured).
         workloads = {
@@ -110,7 +119,7 @@ def gpu(args) -> None:
                   + ([("8 adapters, uniform", [names[i % 8] for i in range(batch_a)])] if lora else [])),
             "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
         }
-        if lora and "s" in args.workloads:  # first: short, and a row a time limit must not lose
+        if label == "LoRA on" and "s" in args.workloads:  # first: short, and a row a time limit must not lose
             from lora.flat import FlatLoraAdapter
 
             updates = {n: list(random_adapter(cfg, args.rank, 100 + k, device, dtype).items())
@@ -149,11 +158,19 @@ def gpu(args) -> None:
             if workload not in args.workloads:
                 continue
             work, variants = workloads[workload]
-            for what, lora_names in variants:
+            new = greedy(1 if workload == "p" else output_n)
+            for _, lora_names in variants:
                 engine.flush_cache()
                 timed(engine, work, greedy(1 if workload == "p" else 8), lora_names)  # the same prefill steps
-                engine.flush_cache()
-                secs, toks = timed(engine, work, greedy(1 if workload == "p" else output_n), lora_names)
+            # b is short: each variant three times, interleaved (base, adapter, base, ...), so the
+            # same engine's variants see the same machine; the median of each
+            runs: dict[str, list[tuple[float, int]]] = {what: [] for what, _ in variants}
+            for _ in range(3 if workload == "b" else 1):
+                for what, lora_names in variants:
+                    engine.flush_cache()
+                    runs[what].append(timed(engine, work, new, lora_names))
+            for what, _ in variants:
+                secs, toks = sorted(runs[what])[len(runs[what]) // 2]
                 if workload == "p":
                     toks = sum(len(w) for w in work)  # prompt tokens per second
                 key = f"{workload} [{label}] {what}"
@@ -167,12 +184,17 @@ def gpu(args) -> None:
 
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     print(f"\n{args.shape}, {dtype_name}, {where}, adapters rank {args.rank} on all seven modules")
-    print(f"{'row':<44} | {'tok/s':>9} | {'vs no LoRA':>10} | goal")
+    print(f"{'row':<44} | {'tok/s':>9} | {'vs no LoRA':>10} | goal"
+          + ("  (vs the mean of both no-LoRA runs)" if args.base_again else ""))
     for key, value in results.items():
         if key.startswith("s"):
             continue
-        base = results.get(f"{key[0]} [no LoRA] base" + (" requests" if key[0] in "ap" else ""))
+        base_key = f"{key[0]} [no LoRA] base" + (" requests" if key[0] in "ap" else "")
+        bases = [results[k] for k in (base_key, base_key.replace("[no LoRA]", "[no LoRA, again]")) if k in results]
+        base = sum(bases) / len(bases) if bases else None
         rel = f"{value / base - 1:+.1%}" if base else ""
+        same = results.get(key.split("]")[0] + "] base" + (" requests" if key[0] in "ap" else ""))  # this engine's
+        rel += f" ({value / same - 1:+.1%} vs this engine's base)" if same and "adapter" in key else ""
         goal = {"a": ">= -15%", "b": ">= -10%"}.get(key[0], "") if "adapter" in key else ""
         print(f"{key:<44} | {value:>9.1f} | {rel:>10} | {goal}")
     for key, value in results.items():
@@ -253,6 +275,10 @@ def main() -> None:
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--workloads", nargs="+", default=["a", "p", "b", "s"])
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--base-again", action="store_true",
+                        help="run the engine without LoRA again at the end; compare against the mean of both")
+    parser.add_argument("--in-place-peer", action="store_true",
+                        help="also run a LoRA engine without deferred deltas (lora/hook.py), in the same run")
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--cpu", action="store_true", help="SmolLM2 against peft on the CPU")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the GPU rows (with --shape tiny)")
