@@ -110,6 +110,8 @@ def test_blocked_linear_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(batch_invariant.linear(x[shuffled], weight), full[shuffled])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run on CPU tensors; on a GPU the kernels run "
+                    "for real in tests/kernels/test_batch_invariant.py and the deterministic attention tests")
 def test_the_gpu_kernels_under_the_interpreter(llama: TinyModel, monkeypatch) -> None:
     """The CUDA path (Triton matmul, the attention kernel in blocks of a request's tokens,
     fused norms at one row per program) run through the engine on CPU under
