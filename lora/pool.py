@@ -38,6 +38,11 @@ from rollout.model.parallel import take_shard
 # deferred: 1 row +0.73 -> +0.38; 16 rows x 1 adapter +0.81 -> +0.50, x 8 adapters 1.29 ->
 # 1.33; 64 rows 1.12 -> 1.43 (the side stream's work then outlasts the GEMMs it hides under).
 DEFER_MAX_ROWS = 16
+# The side stream itself (concurrent shrinks) up to this many rows. Same bench, two H200s,
+# side+pdl minus in order, added ms (1 / 8 adapters): 128 rows -0.20 / -0.18; 192 rows 0.00 /
+# -0.02; 256 rows -0.09 / +0.05 and +0.14 / +0.11; 320 rows +0.47 / +0.38; 512 rows +1.23 /
+# +1.18 and +0.56 / +0.40. Past ~200 rows the GEMMs fill the GPU and the branch only delays them.
+CONCURRENT_MAX_ROWS = 192
 
 
 class LoraPool:
@@ -72,6 +77,7 @@ class LoraPool:
         # Deferred deltas (hook.py): batches of up to this many rows leave the expand's delta
         # to the consumer kernel. Set at construction; 0 turns deferral off.
         self.defer_max_rows = DEFER_MAX_ROWS
+        self.concurrent_max_rows = CONCURRENT_MAX_ROWS  # side-stream shrinks up to this many rows (plan)
         self.defer_eager = False  # tests: defer outside graphs too (one stream), to check the path on CPU
         self._side_stream: torch.cuda.Stream | None = None
 
@@ -215,9 +221,11 @@ class LoraPool:
     def plan(self, inputs: LoraInputs | None, active: bool, concurrent: bool = False) -> None:
         """The next forward's adapters (a CUDA graph capture plans its static buffers here);
         inactive: the projections skip the adapter ops altogether. `concurrent` (CUDA graph
-        captures): each shrink runs on a side stream beside its base matmul."""
+        captures): each shrink runs on a side stream beside its base matmul, for batches of
+        up to `concurrent_max_rows` rows (larger ones run in order: CONCURRENT_MAX_ROWS)."""
         self.batch = inputs if active else None
-        self.concurrent = concurrent and self.device.type == "cuda"
+        rows = 0 if inputs is None else inputs.row_ids.shape[0]
+        self.concurrent = concurrent and self.device.type == "cuda" and rows <= self.concurrent_max_rows
 
     def defers(self, num_rows: int) -> bool:
         """Does a projection of `num_rows` rows that can take a delta get one (hook.py)?"""

@@ -186,6 +186,7 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
                     linear.forward_deferred(xs[fan_in])
 
             times = {}
+            pool.concurrent_max_rows = batch  # each mode as named, whatever the engine's policy
             with torch.inference_mode():
                 pool.plan(None, active=False)
                 times["base"] = timer.ms(step)

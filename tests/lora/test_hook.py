@@ -80,6 +80,25 @@ def test_cpu_runs_the_halves_in_order_and_ignores_concurrent() -> None:
     assert all(torch.equal(o, r) for o, r in zip(_forward(layers, xs), base))
 
 
+def test_side_stream_only_up_to_concurrent_max_rows() -> None:
+    # past CONCURRENT_MAX_ROWS a capture runs its LoRA ops in order (lora/pool.py's table);
+    # the policy only reads the device's type, so a CPU pool posing as CUDA checks it here
+    from types import SimpleNamespace
+
+    from lora.pool import CONCURRENT_MAX_ROWS
+
+    pool, _ = _setup(torch.device("cpu"))
+    pool.device = SimpleNamespace(type="cuda")  # type: ignore[assignment]
+    limit = CONCURRENT_MAX_ROWS
+    assert limit == pool.concurrent_max_rows == 192
+    for rows, concurrent, want in ((1, True, True), (limit, True, True), (limit + 1, True, False),
+                                   (1, False, False)):
+        pool.plan(_inputs([0] * rows, torch.device("cpu"), 3), active=True, concurrent=concurrent)
+        assert pool.concurrent == want, (rows, concurrent)
+    pool.plan(None, active=False, concurrent=True)  # a capture without adapters: nothing runs anyway
+    assert pool.batch is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and graph branches need CUDA")
 def test_graph_with_side_stream_shrink_equals_in_order_eager() -> None:
     from lora.kernels import sgmv
