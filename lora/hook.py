@@ -69,13 +69,13 @@ class LoraHook:
         if batch is None:
             return None
         args = (batch.row_ids, batch.seg_indptr, batch.seg_slots, pool.slot_ranks)
-        deferring = defer and pool.defers(x.shape[0])
+        launch = self._deferred if defer and pool.defers(x.shape[0]) else self._shrink
         if not pool.concurrent:
-            return self._deferred(x, args) if deferring else self._shrink(x, args)
+            return launch(x, args)
         side = pool.side_stream()
         side.wait_stream(torch.cuda.current_stream(x.device))  # x is ready; h's last reader is done
         with torch.cuda.stream(side):
-            return self._deferred(x, args) if deferring else self._shrink(x, args)
+            return launch(x, args)
 
     def _shrink(self, x: torch.Tensor, args: tuple) -> torch.Tensor:
         return sgmv_shrink(x, self.pool.a[self.key], *args, num_slices=self.num_slices, max_rank=self.pool.max_rank)

@@ -18,7 +18,7 @@ torch's in its last bits. tests/kernels/test_fused.py states the tolerances.
 All tensors must be contiguous in their last dim; rows may be strided (q/k may be views
 of the fused qkv projection output). Outputs are new contiguous tensors unless stated.
 
-``delta`` (rms_norm with a residual, silu_and_mul, rotary_embedding): a LoRA adapter's
+``delta`` (rms_norm, silu_and_mul, rotary_embedding): a LoRA adapter's
 deferred delta (lora/hook.py), fp32 and contiguous in the shape of the projection output
 the kernel reads. It is added on load and rounded once to the input's dtype, which is what
 the in-place expand would have left in that input, so the result is bit-equal to the
@@ -59,11 +59,11 @@ def _last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
-def _check_delta(delta: torch.Tensor, y: torch.Tensor) -> None:
-    """A deferred adapter delta: fp32, contiguous, the 2-D shape of the output it is added to."""
-    if y.dim() != 2 or delta.shape != y.shape or delta.dtype != torch.float32 or not delta.is_contiguous() \
-            or delta.device != y.device:
-        raise ValueError(f"delta must be a contiguous float32 {tuple(y.shape)} on {y.device} (for a 2-D input), "
+def _check_delta(delta: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    """A deferred adapter delta: fp32, contiguous, 2-D `shape` (the projection output's)."""
+    if len(shape) != 2 or delta.shape != shape or delta.dtype != torch.float32 or not delta.is_contiguous() \
+            or delta.device != device:
+        raise ValueError(f"delta must be a contiguous float32 {tuple(shape)} on {device} (for a 2-D input), "
                          f"got {delta.dtype} {tuple(delta.shape)} on {delta.device}")
 
 
@@ -192,7 +192,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _last_dim_contiguous("residual", residual)
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if delta is not None:
-        _check_delta(delta, x)
+        _check_delta(delta, tuple(x.shape), x.device)
     if x.numel() == 0:
         return out if res_out is None else (out, res_out)
 
@@ -251,7 +251,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     _last_dim_contiguous("gate_up", gate_up)
     inter = gate_up.shape[-1] // 2
     if delta is not None:
-        _check_delta(delta, gate_up)
+        _check_delta(delta, tuple(gate_up.shape), gate_up.device)
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
         return out
@@ -381,11 +381,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
             raise ValueError(f"a delta needs v shaped like k {tuple(k.shape)} {q.dtype}, got "
                              f"{None if v is None else (tuple(v.shape), v.dtype)}")
         _last_dim_contiguous("v", v)
-        width = (n_q + 2 * n_k) * d
-        if delta.shape != (t, width) or delta.dtype != torch.float32 or not delta.is_contiguous() \
-                or delta.device != q.device:
-            raise ValueError(f"delta must be a contiguous float32 ({t}, {width}) on {q.device}, got {delta.dtype} "
-                             f"{tuple(delta.shape)} on {delta.device}")
+        _check_delta(delta, (t, (n_q + 2 * n_k) * d), q.device)
     if cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
