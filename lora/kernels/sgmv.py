@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from lora.kernels import MAX_SLICES
+from rollout.kernels import pdl
 from lora.kernels.tiling import expand_tiling, shrink_tiling
 
 __all__ = ["pdl_enabled", "sgmv_expand", "sgmv_shrink"]
@@ -59,24 +60,10 @@ _INTERPRETER_NUM_SMS = 1
 _PDL_ENV = os.environ.get("ROLLOUT_LORA_PDL", "1").strip().lower() not in ("0", "false")
 
 
-@functools.cache
-def _triton_has_pdl() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl.extra.cuda, "gdc_wait")
-
-
-@functools.cache
-def _device_has_pdl(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9  # griddepcontrol: sm_90+
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Does expand launch with programmatic dependent launch on this device (CUDA, sm_90+,
     a Triton that supports it, ROLLOUT_LORA_PDL not 0)? Never under the interpreter."""
-    return _PDL_ENV and device.type == "cuda" and _triton_has_pdl() and _device_has_pdl(device)
+    return pdl.enabled(device, env=_PDL_ENV)
 
 
 @functools.cache

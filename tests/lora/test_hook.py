@@ -102,6 +102,7 @@ def test_side_stream_only_up_to_concurrent_max_rows() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and graph branches need CUDA")
 def test_graph_with_side_stream_shrink_equals_in_order_eager() -> None:
     from lora.kernels import sgmv
+    from rollout.kernels import pdl
 
     device = torch.device("cuda", torch.cuda.current_device())
     pool, layers = _setup(device, torch.bfloat16)
@@ -129,7 +130,7 @@ def test_graph_with_side_stream_shrink_equals_in_order_eager() -> None:
             pool.plan(static, active=True, concurrent=True)
             for got, ref in zip(outs, want):
                 torch.testing.assert_close(got, ref, rtol=0, atol=0)  # same kernels, same order of sums
-    assert sgmv.pdl_enabled(device) == (torch.cuda.get_device_capability(device)[0] >= 9 and sgmv._triton_has_pdl())
+    assert sgmv.pdl_enabled(device) == (torch.cuda.get_device_capability(device)[0] >= 9 and pdl.triton_has_pdl())
 
 
 def test_pdl_is_off_off_cuda() -> None:
