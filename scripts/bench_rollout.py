@@ -197,7 +197,12 @@ def main() -> None:
     parser.add_argument("--deterministic", nargs="+", default=["off"], choices=["off", "on"],
                         help="one run of the workloads per mode, in this order, repeats allowed "
                              "(EngineConfig.deterministic; attention 'auto')")
+    parser.add_argument("--skinny", nargs="+", default=["on"], choices=["on", "off"],
+                        help="the skinny matmul at batch 1 (rollout.kernels.skinny_matmul) or cuBLAS: one "
+                             "run of the workloads per value, in this order, repeats allowed")
     args = parser.parse_args()
+
+    from rollout import kernels
 
     from rollout import Engine, EngineConfig, SamplingParams
 
@@ -298,13 +303,16 @@ def main() -> None:
             runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
         else:
             runs += [("auto", o == "on", True) for o in args.overlap]
-    for attention, overlap, deterministic in runs:
+    runs = [(*run, skinny) for skinny in args.skinny for run in runs]
+    for attention, overlap, deterministic, skinny in runs:
+        # read as the engine captures its graphs and for every eager step: kept until it is done
+        kernels.skinny_matmul = skinny == "on"
         try:
             engine = engine_for(attention, overlap, deterministic=deterministic)
         except Exception:
             traceback.print_exc()
             continue
-        label = f"{engine.runner.backend.name}{', overlap' if overlap else ''}"
+        label = f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)

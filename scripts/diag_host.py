@@ -92,7 +92,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=22)
+    parser.add_argument("--cublas", action="store_true",
+                        help="cuBLAS for every matmul: the skinny kernel off (rollout.kernels.skinny_matmul = False)")
     args = parser.parse_args()
+    if args.cublas:
+        from rollout import kernels
+
+        kernels.skinny_matmul = False
 
     from rollout import Engine, EngineConfig
     from rollout.model.shapes import SHAPES, write_shape_dir

@@ -35,9 +35,15 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="EngineConfig(deterministic=True)")
     parser.add_argument("--prefill", action="store_true", help="profile the batch's prefill steps, not decode")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument("--cublas", action="store_true",
+                        help="cuBLAS for every matmul: the skinny kernel off (rollout.kernels.skinny_matmul = False)")
     parser.add_argument("--lora", type=int, default=0,
                         help="N > 0: N random rank-16 adapters on all seven modules, the requests spread over them")
     args = parser.parse_args()
+    if args.cublas:
+        from rollout import kernels
+
+        kernels.skinny_matmul = False
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import SHAPES, write_shape_dir

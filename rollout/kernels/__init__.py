@@ -1,7 +1,9 @@
 """Fused GPU kernels for the decoder's per-token elementwise work (RMSNorm with the residual
 add, SiLU-and-mul, rotary embedding). They live in `rollout.kernels.fused` (Triton); the
 torch code in `rollout.model.llama` is both the CPU path and their reference. Beside them,
-`rollout.kernels.finite`: the one-launch NaN/Inf check of a weight update's tensors.
+`rollout.kernels.finite`: the one-launch NaN/Inf check of a weight update's tensors, and
+`rollout.kernels.skinny`: the projections' matmul at a batch-1 decode's one row (`linear`
+below picks it; F.linear is its reference).
 
 `use_fused(x)` is the one dispatch test the model makes. It is cheap on the CPU path (no
 triton import: `fused` is loaded lazily on first access), and by default true exactly for
@@ -15,12 +17,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from rollout.kernels import finite as finite
     from rollout.kernels import fused as fused
+    from rollout.kernels import skinny as skinny
 
-__all__ = ["available", "enabled", "use_fused"]
+__all__ = ["available", "enabled", "linear", "skinny_matmul", "use_fused"]
 
 # None: automatic (CUDA tensors only). Tests only: True routes CPU tensors through the
 # kernels too (needs TRITON_INTERPRET=1 set before triton is first imported); False keeps
@@ -50,10 +54,26 @@ def use_fused(x: torch.Tensor) -> bool:
     return on and x.dtype in _DTYPES and available()
 
 
+# One-row matmuls (16-bit, on GPU) run the skinny kernel instead of cuBLAS: one launch that
+# streams the weight once (BENCHMARKS.md, "skinny matmul"). Read when a matmul is issued,
+# so a decode graph keeps the choice it was captured with; False: cuBLAS (benchmarks set it
+# before building an engine to compare the two).
+skinny_matmul: bool = True
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): a projection's matmul (x: [T, in], weight: [out, in])."""
+    if x.shape[0] == 1 and x.dtype != torch.float32 and skinny_matmul and use_fused(x) and weight.is_contiguous():
+        from rollout.kernels import skinny  # lazy, as below: the CPU path never imports triton
+
+        return skinny.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def __getattr__(name: str) -> Any:
-    # Lazy `kernels.fused` / `kernels.finite` (PEP 562): importing the model never imports
+    # Lazy `kernels.fused` / `kernels.finite` / `kernels.skinny` (PEP 562): importing the model never imports
     # triton. After the first access the submodule is a real attribute and this hook is not
     # called again.
-    if name in ("fused", "finite"):
+    if name in ("fused", "finite", "skinny"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

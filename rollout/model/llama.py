@@ -130,8 +130,9 @@ class Linear(nn.Module):
         # Multi-LoRA: set by the adapter pool (lora/hook.py LoraHook); adds each request's
         # adapter delta to this projection's output in place. None: no adapters here.
         self.lora: LoraProjection | None = None
+        # F.linear, or at a small-batch decode's few rows on GPU the skinny kernel (kernels.linear).
         # Deterministic mode swaps in a batch-invariant matmul (LlamaModel.make_batch_invariant).
-        self.matmul: Callable[..., torch.Tensor] = F.linear
+        self.matmul: Callable[..., torch.Tensor] = kernels.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lora = self.lora
@@ -257,7 +258,7 @@ class LlamaModel(nn.Module):
         vocab = cfg.vocab_size // tp.size
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
         self.rotary = Rotary(cfg, max_positions)
-        self.matmul: Callable[..., torch.Tensor] = F.linear  # the lm_head's
+        self.matmul: Callable[..., torch.Tensor] = kernels.linear  # the lm_head's
 
     def make_batch_invariant(self) -> None:
         """Deterministic mode: every projection and the lm_head through the batch-invariant

@@ -120,6 +120,15 @@ def test_finite_check_sweep_smoke_on_cpu() -> None:
     assert "best: CHUNK=4096 BLOCK=1024 warps=4" in text
 
 
+def test_skinny_matmul_sweep_smoke_on_cpu() -> None:
+    """python -m rollout.kernels.bench_skinny on the tiny shape under the interpreter: each
+    projection against F.linear (checked, then timed) and the step's total."""
+    text = _run("rollout.kernels.bench_skinny", "--device", "cpu")
+    names = [line.split()[0] for line in text.splitlines() if "cuBLAS" in line and "N=" in line]
+    assert names == ["qkv", "o", "gate_up", "down", "lm_head"], text
+    assert "a step's projections: cuBLAS" in text, text
+
+
 def test_bench_sleep_smoke_on_cpu() -> None:
     text = _run("scripts.bench_sleep", "--device", "cpu", "--shape", "tiny", "--cycles", "2")
     assert "2 sleep(1)/wake cycles, outputs equal after each" in text and "wake kv+graphs s" in text
