@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels import pdl
+
 __all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "store_kv"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,6 +73,26 @@ def _num_warps(elements: int) -> int:
     return min(max(elements // 256, 1), 8)
 
 
+# RMSNorm and SiLU-mul come right before the projections' matmuls. Where PDL is available
+# (rollout/kernels/pdl.py) they launch early and let the next kernel launch at once: the
+# skinny matmul (rollout/kernels/skinny.py) then streams its first weights while they run.
+PDL: bool | None = None  # None: where available; False: never (A/B)
+
+
+def _launch(device: torch.device, num_warps: int) -> dict:
+    """The launch options (and the PDL constexpr) of a kernel that uses _launch_next_then_wait."""
+    on = pdl.enabled(device, env=PDL)
+    return {"num_warps": num_warps, "PDL": on, **({"launch_pdl": True} if on else {})}
+
+
+@triton.jit
+def _launch_next_then_wait():
+    # First let the next kernel launch (it waits for this one before reading what it writes),
+    # then wait for the kernel before this one: everything after reads its outputs.
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_wait()
+
+
 # ----------------------------------------------------------------------------- RMSNorm
 
 
@@ -97,8 +119,10 @@ def _rms_norm_kernel(
     stride_x0, stride_x1, stride_r0, stride_r1,
     eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
+    HAS_DELTA: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        _launch_next_then_wait()
     # A row is (outer, inner) of a [outer, inner, n_cols] view, so that q/k views of the
     # fused qkv output ([T, H, D] with a row stride of the whole qkv width) need no copy.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -213,7 +237,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         eps,
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
-        HAS_DELTA=delta is not None, num_warps=_num_warps(block_m * block_n),
+        HAS_DELTA=delta is not None, **_launch(x.device, _num_warps(block_m * block_n)),
     )
     return out if res_out is None else (out, res_out)
 
@@ -222,7 +246,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, n_cols, stride_x, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, n_cols, stride_x, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:
+        _launch_next_then_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -259,7 +286,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     block = min(triton.next_power_of_2(inter), _SILU_BLOCK)
     grid = (x2.shape[0], triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x2, out, delta if delta is not None else out, inter, x2.stride(0), BLOCK=block,
-                               HAS_DELTA=delta is not None, num_warps=4)
+                               HAS_DELTA=delta is not None, **_launch(gate_up.device, 4))
     return out
 
 
