@@ -8,10 +8,15 @@ from rollout.attention.base import AttentionBackend
 from rollout.cache.kv_pool import KVPool
 
 
+# Decode graphs of at most this many rows run Triton's decode kernel under `auto` (small_decode.py).
+SMALL_DECODE_ROWS = 1
+
+
 def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, device: str) -> AttentionBackend:
-    """`auto` on CUDA picks FlashInfer (bf16/fp16 KV, when it imports), then Triton, then the
-    torch reference; on CPU the torch reference (its fast path there). `triton` on CPU works
-    only under TRITON_INTERPRET=1 (for tests)."""
+    """`auto` on CUDA picks FlashInfer (bf16/fp16 KV, when it imports) with Triton's decode
+    kernel for the decode graphs of SMALL_DECODE_ROWS rows (small_decode.py), then Triton,
+    then the torch reference; on CPU the torch reference (its fast path there). `triton` on
+    CPU works only under TRITON_INTERPRET=1 (for tests)."""
     from rollout.attention.torch_backend import TorchAttention
 
     args = (pool, num_heads, num_kv_heads, head_dim)
@@ -31,7 +36,16 @@ def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, hea
             if name == "flashinfer":
                 raise ValueError(f"attention backend 'flashinfer' is not available: {e}") from e
         else:
-            return FlashInferAttention(*args)
+            flashinfer = FlashInferAttention(*args)
+            if name == "flashinfer":
+                return flashinfer
+            try:
+                from rollout.attention.triton_backend import TritonAttention
+            except ImportError:
+                return flashinfer
+            from rollout.attention.small_decode import SmallDecode
+
+            return SmallDecode(flashinfer, TritonAttention(*args), max_rows=SMALL_DECODE_ROWS)
     try:
         from rollout.attention.triton_backend import TritonAttention
     except ImportError as e:

@@ -87,3 +87,48 @@ def test_engine_on_flashinfer_glue_matches_transformers(llama: TinyModel, fake_f
         assert sum(p.wrapper.num_plans - 1 for p in backend.graph_decode.values()) == engine.runner.graphs.num_replays
     else:
         assert backend.decode.wrapper.num_plans > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_small_decode_graphs_on_triton_give_transformers_tokens(llama: TinyModel, fake_flashinfer, page_size: int) -> None:
+    """`auto` on CUDA (small_decode.py): FlashInfer (here its stand-in) for every eager step
+    and the 2- and 4-row graphs, Triton's decode kernel (the interpreter) for the 1-row graph.
+    As the batch shrinks through every size the tokens stay transformers' greedy ones, and
+    Triton attends in the 1-row graph only."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from rollout.attention.small_decode import SmallDecode
+    from rollout.attention.triton_backend import TritonAttention
+
+    prompts = make_prompts(llama.vocab_size, [3, 17, 9, 20], seed=41)
+    lengths = [9, 3, 6, 12]
+    engine = Engine(EngineConfig(model=llama.path, attention="flashinfer", page_size=page_size, max_running_requests=4))
+    fi = engine.runner.backend
+    triton_attn = TritonAttention(fi.pool, fi.num_heads, fi.num_kv_heads, fi.head_dim)
+    rows: list[int] = []
+    attend = triton_attn.attend
+    triton_attn.attend = lambda q, *rest: rows.append(q.shape[0]) or attend(q, *rest)
+    backend = SmallDecode(fi, triton_attn, max_rows=1)
+    assert backend.name == "flashinfer+triton"
+    engine.runner.backend = backend
+    engine.runner.graphs = EagerDecodeGraphs(engine.model, backend, max_bs=4, max_context=64, device=engine.device)
+    engine.runner.graphs.capture()
+    assert sorted(fi.graph_decode) == [2, 4]  # the 1-row graph has no FlashInfer wrapper
+    captured = len(rows)
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == [llama.greedy(p, n) for p, n in zip(prompts, lengths)]
+    layers = len(engine.model.layers)
+    assert len(rows) > captured and set(rows) == {1} and (len(rows) - captured) % layers == 0
+    # the last 3 decode steps ran the longest request alone: at least those replayed the 1-row graph
+    assert (len(rows) - captured) // layers >= 3
+    assert sum(p.wrapper.num_plans - 1 for p in fi.graph_decode.values()) > 0  # and the larger ones FlashInfer's
+
+
+def test_small_decode_refuses_a_backend_without_graphs(llama: TinyModel, fake_flashinfer) -> None:
+    from rollout.attention.small_decode import SmallDecode
+    from rollout.attention.torch_backend import TorchAttention
+
+    engine = Engine(EngineConfig(model=llama.path, attention="flashinfer", page_size=16, max_running_requests=2))
+    fi = engine.runner.backend
+    with pytest.raises(ValueError, match="two graphable backends.*'torch'"):
+        SmallDecode(fi, TorchAttention(fi.pool, fi.num_heads, fi.num_kv_heads, fi.head_dim), max_rows=1)

@@ -67,7 +67,7 @@ _BF16_D128 = dict(  # head_dim 128 in bf16: the shapes FlashInfer's kernels are 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
-@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+@pytest.mark.parametrize("attention", ["triton", "flashinfer", "auto"])  # auto: FlashInfer, Triton's 1-row graphs
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads", [4, 8], ids=["gqa2", "gqa4"])  # FlashInfer decodes GQA >= 4 on tensor cores
 def test_real_graph_replay_matches_eager_logits(tmp_path, attention: str, page_size: int, heads: int) -> None:
@@ -76,13 +76,13 @@ def test_real_graph_replay_matches_eager_logits(tmp_path, attention: str, page_s
     pad up the ladder and contexts that cross pages."""
     import json
 
-    if attention == "flashinfer":
+    if attention in ("flashinfer", "auto"):
         pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")
     (tmp_path / "config.json").write_text(json.dumps(dict(_BF16_D128, num_attention_heads=heads)))
     engine = Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cuda", load_format="dummy",
                                  attention=attention, page_size=page_size, cuda_graph_max_bs=8, max_total_tokens=8192))
     runner = engine.runner
-    assert runner.backend.name == attention and runner.graphs is not None
+    assert runner.backend.name == {"auto": "flashinfer+triton"}.get(attention, attention) and runner.graphs is not None
     forward, errs = runner.forward, []
 
     def both(fb):

@@ -1,0 +1,61 @@
+"""One backend for every step, another for the decode graphs of the smallest batches.
+
+`auto` on CUDA is FlashInfer, with its tensor-core decode for GQA >= 4 (the FA2 prefill
+kernel, one query row per request, and a merge kernel for the split KV): the better choice
+at batch 256. At batch 1 that is two latency-bound kernels a layer for ~2 MB of KV, and our
+Triton split-KV decode kernel (rollout/attention/triton_kernels.py) runs the same step
+0.14-0.18 ms faster on an H200 (BENCHMARKS.md, "batch 1"). So decode graphs of at most
+`max_rows` rows are captured with the second backend; every other step (eager decode,
+prefill, larger graphs) runs the first. Both read the same paged pool and the same
+ForwardBatch, so nothing is converted between them.
+
+Which backend a graph was captured with is fixed by its size (`plan_capture`), and a
+replay re-plans that backend only (`plan_replay`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+from rollout.model.forward_batch import ForwardBatch
+
+
+class SmallDecode(AttentionBackend):
+    graphable = True
+
+    def __init__(self, main: AttentionBackend, small: AttentionBackend, max_rows: int) -> None:
+        if not (main.graphable and small.graphable):
+            raise ValueError(f"SmallDecode needs two graphable backends, got {main.name!r} and {small.name!r}")
+        if main.pool is not small.pool:
+            raise ValueError("SmallDecode: both backends must read the same KV pool")
+        super().__init__(main.pool, main.num_heads, main.num_kv_heads, main.head_dim)
+        self.main, self.small, self.max_rows = main, small, max_rows
+        self.name = f"{main.name}+{small.name}"  # e.g. "flashinfer+triton"
+        self.active = main
+
+    def _for(self, bs: int) -> AttentionBackend:
+        return self.small if bs <= self.max_rows else self.main
+
+    def warm_up(self) -> int:
+        return self.main.warm_up() + self.small.warm_up()
+
+    def plan(self, batch: ForwardBatch) -> None:
+        super().plan(batch)
+        self.active = self.main  # eager steps: the main backend whatever their size
+        self.main.plan(batch)
+
+    def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
+        super().plan(batch)
+        self.active = self._for(batch.batch_size)
+        self.active.plan_capture(batch, max_context)
+
+    def plan_replay(self, batch: ForwardBatch, bs: int) -> None:
+        self._for(bs).plan_replay(batch, bs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        return self.active.forward(q, k, v, layer_id)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               batch: ForwardBatch, out: torch.Tensor) -> None:
+        self.active.attend(q, k, v, k_buf, v_buf, batch, out)
