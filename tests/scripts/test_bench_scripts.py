@@ -129,6 +129,15 @@ def test_skinny_matmul_sweep_smoke_on_cpu() -> None:
     assert "a step's projections: cuBLAS" in text, text
 
 
+def test_bench_batch1_smoke_on_cpu() -> None:
+    """python -m scripts.bench_batch1 on the tiny shape: two variants, each its own engine, in one table."""
+    text = _run("scripts.bench_batch1", "--device", "cpu", "--shape", "tiny", "--steps", "4",
+                "--variants", "auto:skinny:pdl", "torch:cublas:nopdl")
+    rows = [line.split("|") for line in text.splitlines() if line.startswith(("auto:", "torch:")) and "|" in line]
+    assert [r[0].split()[0] for r in rows] == ["auto:skinny:pdl", "torch:cublas:nopdl"], text
+    assert all(float(r[1]) > 0 for r in rows), text
+
+
 def test_bench_sleep_smoke_on_cpu() -> None:
     text = _run("scripts.bench_sleep", "--device", "cpu", "--shape", "tiny", "--cycles", "2")
     assert "2 sleep(1)/wake cycles, outputs equal after each" in text and "wake kv+graphs s" in text
