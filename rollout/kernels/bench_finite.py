@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 from collections.abc import Callable
 
 import torch
+
+from rollout.bench.kernel_device import kernel_bench_device
 
 
 def _ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -58,16 +59,10 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+", default=None, help="BLOCK (elements per load)")
     p.add_argument("--warps", type=int, nargs="+", default=None)
     args = p.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-    elif not torch.cuda.is_available():
-        raise SystemExit("needs CUDA (or --device cpu for a smoke run)")
+    device, shape, dtype = kernel_bench_device(args.device, args.shape)  # before triton's import
     from rollout.kernels import finite
 
     gpu = device.type == "cuda"
-    shape = args.shape or ("llama8b" if gpu else "tiny")
-    dtype = torch.bfloat16 if gpu else torch.float16
     tensors = model_tensors(shape, device, dtype)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.randn(nbytes // 2, device=device, dtype=dtype)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from rollout.bench.kernel_device import kernel_bench_device
 
 
 def _us_per_call(fn: Callable[[], object], calls: int, gpu: bool) -> float:
@@ -52,16 +53,10 @@ def main() -> None:
     p.add_argument("--only", nargs="+", default=None, help="projections to sweep (default all)")
     p.add_argument("--quick", action="store_true", help="the default launch shape only")
     args = p.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-    elif not torch.cuda.is_available():
-        raise SystemExit("needs CUDA (or --device cpu for a smoke run)")
+    device, shape, dtype = kernel_bench_device(args.device, args.shape)  # before triton's import
     from rollout.kernels import skinny
 
     gpu = device.type == "cuda"
-    shape = args.shape or ("llama8b" if gpu else "tiny")
-    dtype = torch.bfloat16 if gpu else torch.float16
     projs = {k: v for k, v in projections(shape).items() if args.only is None or k in args.only}
     if gpu:
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
