@@ -63,7 +63,8 @@ skinny_matmul: bool = True
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): a projection's matmul (x: [T, in], weight: [out, in])."""
-    if x.shape[0] == 1 and x.dtype != torch.float32 and skinny_matmul and use_fused(x) and weight.is_contiguous():
+    if x.shape[0] == 1 and x.dtype != torch.float32 and skinny_matmul and use_fused(x) and weight.is_contiguous() \
+            and x.stride(-1) == 1:
         from rollout.kernels import skinny  # lazy, as below: the CPU path never imports triton
 
         return skinny.linear(x, weight, bias)

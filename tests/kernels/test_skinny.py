@@ -95,7 +95,7 @@ def spy(monkeypatch):
 
 
 def test_dispatch_takes_one_16_bit_row_only(spy, monkeypatch):
-    """kernels.linear: the skinny kernel for one row of a 16-bit, contiguous weight on the
+    """kernels.linear: the skinny kernel for one 16-bit row (last dim contiguous) and a contiguous weight on the
     fused path; F.linear otherwise. The result equals F.linear's either way."""
     monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
     x, w, b = _case(3, 24, 64, torch.float16, True)
@@ -105,6 +105,9 @@ def test_dispatch_takes_one_16_bit_row_only(spy, monkeypatch):
     _check(kernels.linear(x, w, b), x, w, b)  # 3 rows: F.linear
     kernels.linear(x[:1].float(), w.float(), b.float())  # fp32: cuBLAS (or the CPU's matmul)
     kernels.linear(x[:1], w.t().contiguous().t(), b)  # a strided weight
+    strided = x.new_zeros(1, 2 * x.shape[1])[:, ::2]  # x strided in its last dim
+    strided.copy_(x[:1])
+    _check(kernels.linear(strided, w, b), x[:1], w, b)
     monkeypatch.setattr(kernels, "skinny_matmul", False)  # off
     kernels.linear(x[:1], w, b)
     assert spy == [1, 1]
