@@ -202,9 +202,7 @@ def main() -> None:
                              "run of the workloads per value, in this order, repeats allowed")
     args = parser.parse_args()
 
-    from rollout import kernels
-
-    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout import Engine, EngineConfig, SamplingParams, kernels
 
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]

@@ -55,7 +55,7 @@ def use_fused(x: torch.Tensor) -> bool:
 
 
 # One-row matmuls (16-bit, on GPU) run the skinny kernel instead of cuBLAS: one launch that
-# streams the weight once (BENCHMARKS.md, "skinny matmul"). Read when a matmul is issued,
+# streams the weight once (BENCHMARKS.md, "Batch 1, session 6"). Read when a matmul is issued,
 # so a decode graph keeps the choice it was captured with; False: cuBLAS (benchmarks set it
 # before building an engine to compare the two).
 skinny_matmul: bool = True
@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy `kernels.fused` / `kernels.finite` / `kernels.skinny` (PEP 562): importing the model never imports
+    # Lazy `kernels.fused` / `finite` / `skinny` (PEP 562): importing the model never imports
     # triton. After the first access the submodule is a real attribute and this hook is not
     # called again.
     if name in ("fused", "finite", "skinny"):

@@ -95,8 +95,8 @@ def spy(monkeypatch):
 
 
 def test_dispatch_takes_one_16_bit_row_only(spy, monkeypatch):
-    """kernels.linear: the skinny kernel for one 16-bit row (last dim contiguous) and a contiguous weight on the
-    fused path; F.linear otherwise. The result equals F.linear's either way."""
+    """kernels.linear: the skinny kernel for one 16-bit row (last dim contiguous) and a
+    contiguous weight on the fused path; F.linear otherwise. Equal to F.linear either way."""
     monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
     x, w, b = _case(3, 24, 64, torch.float16, True)
     for dtype in DTYPES:
