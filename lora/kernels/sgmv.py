@@ -262,15 +262,14 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
     offs = list(slice_offsets[1:-1]) + [n_out] * (MAX_SLICES - len(widths))
     blks = block_starts[1:-1] + [total_blocks] * (MAX_SLICES - len(widths))
     num_tiles = num_segments + triton.cdiv(num_rows, tiling.block_m)
-    pdl = pdl_enabled(out.device)
     _expand_kernel[(total_blocks * num_tiles,)](
         h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks,
         num_segments, n_out, total_blocks, *offs, *blks,
         h.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
         N_COLS=num_cols, MAX_RANK=max_rank, SPLIT_K=split_k, SPLIT_CHUNK=tiling.split_chunk,
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=tiling.block_r, BLOCK_G=_block_g(num_segments),
-        PRECISION=_dot_precision(weights.dtype), USE_PDL=pdl, num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages, **({"launch_pdl": True} if pdl else {}),
+        PRECISION=_dot_precision(weights.dtype), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        **pdl.launch(out.device, env=_PDL_ENV),
     )
 
 

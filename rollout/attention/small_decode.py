@@ -40,13 +40,12 @@ class SmallDecode(AttentionBackend):
     def warm_up(self) -> int:
         return self.main.warm_up() + self.small.warm_up()
 
+    # self.batch stays unset: forward() is the active backend's, which holds its own plan
     def plan(self, batch: ForwardBatch) -> None:
-        super().plan(batch)
         self.active = self.main  # eager steps: the main backend whatever their size
         self.main.plan(batch)
 
     def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
-        super().plan(batch)
         self.active = self._for(batch.batch_size)
         self.active.plan_capture(batch, max_context)
 

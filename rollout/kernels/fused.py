@@ -79,12 +79,6 @@ def _num_warps(elements: int) -> int:
 PDL: bool | None = None  # None: where available; False: never (A/B)
 
 
-def _launch(device: torch.device, num_warps: int) -> dict:
-    """The launch options (and the PDL constexpr) of a kernel that uses _launch_next_then_wait."""
-    on = pdl.enabled(device, env=PDL)
-    return {"num_warps": num_warps, "PDL": on, **({"launch_pdl": True} if on else {})}
-
-
 @triton.jit
 def _launch_next_then_wait():
     # First let the next kernel launch (it waits for this one before reading what it writes),
@@ -119,9 +113,9 @@ def _rms_norm_kernel(
     stride_x0, stride_x1, stride_r0, stride_r1,
     eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    HAS_DELTA: tl.constexpr, PDL: tl.constexpr,
+    HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if PDL:
+    if USE_PDL:
         _launch_next_then_wait()
     # A row is (outer, inner) of a [outer, inner, n_cols] view, so that q/k views of the
     # fused qkv output ([T, H, D] with a row stride of the whole qkv width) need no copy.
@@ -237,7 +231,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         eps,
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
-        HAS_DELTA=delta is not None, **_launch(x.device, _num_warps(block_m * block_n)),
+        HAS_DELTA=delta is not None, num_warps=_num_warps(block_m * block_n), **pdl.launch(x.device, env=PDL),
     )
     return out if res_out is None else (out, res_out)
 
@@ -247,8 +241,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, n_cols, stride_x, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-                         PDL: tl.constexpr):
-    if PDL:
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:
         _launch_next_then_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -286,7 +280,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     block = min(triton.next_power_of_2(inter), _SILU_BLOCK)
     grid = (x2.shape[0], triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x2, out, delta if delta is not None else out, inter, x2.stride(0), BLOCK=block,
-                               HAS_DELTA=delta is not None, **_launch(gate_up.device, 4))
+                               HAS_DELTA=delta is not None, num_warps=4, **pdl.launch(gate_up.device, env=PDL))
     return out
 
 

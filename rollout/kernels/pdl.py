@@ -18,7 +18,7 @@ import os
 
 import torch
 
-__all__ = ["enabled", "triton_has_pdl"]
+__all__ = ["enabled", "launch", "triton_has_pdl"]
 
 # ROLLOUT_PDL=0 turns it off for every kernel of rollout/ (A/B, a fallback).
 ENV = os.environ.get("ROLLOUT_PDL", "1").strip().lower() not in ("0", "false")
@@ -44,3 +44,9 @@ def enabled(device: torch.device, env: bool | None = None) -> bool:
     (default ROLLOUT_PDL) not off)? Never under the interpreter (CPU tensors)."""
     on = ENV if env is None else env
     return on and device.type == "cuda" and triton_has_pdl() and _device_has_pdl(device)
+
+
+def launch(device: torch.device, env: bool | None = None) -> dict:
+    """The launch keywords of a kernel written for PDL: its USE_PDL constexpr, and Triton's
+    `launch_pdl` where `enabled(device, env)`."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(device, env) else {"USE_PDL": False}

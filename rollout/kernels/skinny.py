@@ -107,8 +107,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(n, t.block_n),)
     b = bias if bias is not None else weight  # a valid pointer the kernel never reads
-    use_pdl = pdl.enabled(x.device, env=PDL)
-    launch = {"num_warps": t.num_warps, "num_stages": t.num_stages, **({"launch_pdl": True} if use_pdl else {})}
     _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=t.block_n,
-                       BLOCK_K=t.block_k, USE_PDL=use_pdl, **launch)
+                       BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+                       **pdl.launch(x.device, env=PDL))
     return y

@@ -130,18 +130,12 @@ class Linear(nn.Module):
         # Multi-LoRA: set by the adapter pool (lora/hook.py LoraHook); adds each request's
         # adapter delta to this projection's output in place. None: no adapters here.
         self.lora: LoraProjection | None = None
-        # F.linear, or at a small-batch decode's few rows on GPU the skinny kernel (kernels.linear).
+        # F.linear, or for a batch-1 decode's one row on GPU the skinny kernel (kernels.linear).
         # Deterministic mode swaps in a batch-invariant matmul (LlamaModel.make_batch_invariant).
         self.matmul: Callable[..., torch.Tensor] = kernels.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = self.lora
-        if lora is None:
-            return self.matmul(x, self.weight, self.bias)
-        pending = lora.begin(x)  # launched before the matmul, so it can overlap it
-        y = self.matmul(x, self.weight, self.bias)
-        lora.finish(pending, y)
-        return y
+        return self.forward_deferred(x, defer=False)[0]  # the adapter's delta added to y in place
 
     def forward_deferred(self, x: torch.Tensor, defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): like forward, but an adapter delta may be left out of y, as fp32
@@ -150,7 +144,7 @@ class Linear(nn.Module):
         lora = self.lora
         if lora is None:
             return self.matmul(x, self.weight, self.bias), None
-        pending = lora.begin(x, defer)
+        pending = lora.begin(x, defer)  # launched before the matmul, so it can overlap it
         y = self.matmul(x, self.weight, self.bias)
         return y, lora.finish(pending, y)
 

@@ -50,7 +50,7 @@ def test_linear_calls_begin_before_and_finish_after_its_matmul() -> None:
     calls = []
 
     class Recorder:
-        def begin(self, x):
+        def begin(self, x, defer=False):  # the LoraProjection protocol (rollout/model/llama.py)
             calls.append("begin")
             return x.sum()
 
