@@ -1,13 +1,17 @@
 """Batch-1 decode, variant against variant in one process: wall per step, the device's
 span per step (CUDA events) and the host phases, with the engine of bench_rollout (b).
 
-A variant is attention:matmul:pdl, e.g. `auto:skinny:pdl` (the default engine) or
+A variant is attention:matmul:pdl[:kv], e.g. `auto:skinny:pdl` (the default engine) or
 `flashinfer:cublas:nopdl` (the engine before issue #16's batch-1 work): the attention
-backend, the one-row matmul (the skinny kernel or cuBLAS, rollout.kernels.skinny_matmul)
-and programmatic dependent launch on or off (rollout.kernels.pdl.ENV). Each variant is its
-own engine, built after the previous one is gone; repeat one to see the drift of a call.
+backend, the one-row matmul (the skinny kernel or cuBLAS, rollout.kernels.skinny_matmul),
+programmatic dependent launch on or off (rollout.kernels.pdl.ENV) or `pdl-mm` (for the
+norms, SiLU-mul and the GEMV only: not the rotary and the attention kernels), and where the
+new K/V are stored: `rotary` (default: in the rotary's launch) or `store` (a launch of its
+own, rollout.attention.base.FUSED_KV_STORE). `auto:skinny:pdl-mm:store` is session 6's
+engine. Each variant is its own engine, built after the previous one is gone; repeat one to
+see the drift of a call.
 
-    python -m scripts.bench_batch1 [--variants auto:skinny:pdl flashinfer:cublas:nopdl auto:skinny:pdl]
+    python -m scripts.bench_batch1 [--variants auto:skinny:pdl auto:skinny:pdl-mm:store auto:skinny:pdl]
     python -m scripts.bench_batch1 --device cpu --shape tiny --steps 8   # smoke run (no device span)
 """
 
@@ -23,15 +27,16 @@ import torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama8b")
-    p.add_argument("--variants", nargs="+", default=["auto:skinny:pdl", "flashinfer:cublas:nopdl", "auto:skinny:pdl"])
+    p.add_argument("--variants", nargs="+", default=["auto:skinny:pdl", "auto:skinny:pdl-mm:store", "auto:skinny:pdl"])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams, kernels
+    from rollout.attention import base, triton_kernels
     from rollout.bench.steady import PhaseTimer, run_to_decode
-    from rollout.kernels import pdl
+    from rollout.kernels import fused, pdl
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     cuda = args.device.startswith("cuda")
@@ -39,11 +44,13 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     rows = []
     for variant in args.variants:
-        attention, matmul, launch = variant.split(":")
-        if matmul not in ("skinny", "cublas") or launch not in ("pdl", "nopdl"):
-            raise SystemExit(f"variant {variant!r}: expected attention:skinny|cublas:pdl|nopdl")
+        attention, matmul, launch, kv = (variant.split(":") + ["rotary"])[:4]
+        if matmul not in ("skinny", "cublas") or launch not in ("pdl", "nopdl", "pdl-mm") or kv not in ("rotary", "store"):
+            raise SystemExit(f"variant {variant!r}: expected attention:skinny|cublas:pdl|nopdl|pdl-mm[:rotary|store]")
         kernels.skinny_matmul = matmul == "skinny"  # read as the engine captures its graphs
-        pdl.ENV = launch == "pdl"
+        pdl.ENV = launch != "nopdl"
+        fused.ROTARY_PDL = triton_kernels.PDL = False if launch == "pdl-mm" else None
+        base.FUSED_KV_STORE = kv == "rotary"
         engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device,
                                      load_format="dummy", page_size=16, gpu_memory_fraction=0.6, attention=attention,
                                      max_running_requests=512, max_prefill_tokens=8192,

@@ -200,9 +200,14 @@ def main() -> None:
     parser.add_argument("--skinny", nargs="+", default=["on"], choices=["on", "off"],
                         help="the skinny matmul at batch 1 (rollout.kernels.skinny_matmul) or cuBLAS: one "
                              "run of the workloads per value, in this order, repeats allowed")
+    parser.add_argument("--rotary-store", nargs="+", default=["on"], choices=["on", "off"],
+                        help="K/V stored in the rotary's launch, and PDL for the rotary and the Triton decode "
+                             "kernels (on), or neither (off: session 6's engine); one run per value, in order")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams, kernels
+    from rollout.attention import base, triton_kernels
+    from rollout.kernels import fused
 
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
@@ -301,16 +306,19 @@ def main() -> None:
             runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
         else:
             runs += [("auto", o == "on", True) for o in args.overlap]
-    runs = [(*run, skinny) for skinny in args.skinny for run in runs]
-    for attention, overlap, deterministic, skinny in runs:
+    runs = [(*run, skinny, rs) for rs in args.rotary_store for skinny in args.skinny for run in runs]
+    for attention, overlap, deterministic, skinny, rotary_store in runs:
         # read as the engine captures its graphs and for every eager step: kept until it is done
         kernels.skinny_matmul = skinny == "on"
+        base.FUSED_KV_STORE = rotary_store == "on"
+        fused.ROTARY_PDL = triton_kernels.PDL = None if rotary_store == "on" else False
         try:
             engine = engine_for(attention, overlap, deterministic=deterministic)
         except Exception:
             traceback.print_exc()
             continue
-        label = f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
+        label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
+                 f"{', own KV store' if rotary_store == 'off' else ''}")
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)

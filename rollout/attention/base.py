@@ -12,8 +12,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from rollout.cache.kv_pool import KVPool
+from rollout.cache.kv_pool import KVPool, KVTarget
 from rollout.model.forward_batch import ForwardBatch
+
+
+# False: kv_target gives None, so forward stores K/V in a launch of its own (A/B in benches).
+FUSED_KV_STORE = True
 
 
 class AttentionBackend(ABC):
@@ -48,11 +52,22 @@ class AttentionBackend(ABC):
         """Before replaying the captured graph of batch size bs for this decode-only batch
         (after its static inputs are written): refresh any metadata the graph reads."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
+    def kv_target(self, layer_id: int) -> KVTarget | None:
+        """Where this step's new K/V of layer_id go, for the caller to store them in a kernel
+        it runs anyway (the rotary) and then call forward(..., stored=True); None: the caller
+        leaves the store to forward."""
+        batch = self.batch
+        assert batch is not None, "plan() before kv_target()"
+        return self.pool.target(layer_id, batch.out_cache_loc) if FUSED_KV_STORE else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                stored: bool = False) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]. `stored`:
+        k and v are already in the pool, at kv_target(layer_id)."""
         batch = self.batch
         assert batch is not None, "plan() before forward()"
-        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        if not stored:
+            self.pool.store(layer_id, batch.out_cache_loc, k, v)
         out = torch.empty_like(q)
         self.attend(q, k, v, self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id], batch, out)
         return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.cache.kv_pool import KVTarget
 from rollout.model.forward_batch import ForwardBatch
 
 
@@ -52,8 +53,12 @@ class SmallDecode(AttentionBackend):
     def plan_replay(self, batch: ForwardBatch, bs: int) -> None:
         self._for(bs).plan_replay(batch, bs)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        return self.active.forward(q, k, v, layer_id)
+    def kv_target(self, layer_id: int) -> KVTarget | None:
+        return self.active.kv_target(layer_id)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                stored: bool = False) -> torch.Tensor:
+        return self.active.forward(q, k, v, layer_id, stored)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                batch: ForwardBatch, out: torch.Tensor) -> None:

@@ -20,12 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels import pdl
+from rollout.kernels.pdl_device import launch_next_then_wait
+
 __all__ = ["decode_attention", "extend_attention"]
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 _MAX_KV_SPLITS = 64
 _MIN_KV_PER_SPLIT = 256  # below this a split's fixed cost (stage-2 merge, launch tail) dominates
+# Decode's two stages launch early where PDL is available (rollout/kernels/pdl.py): stage 1
+# beside the rotary that stores the new K/V, stage 2 beside stage 1, and the o projection's
+# GEMV beside stage 2. At batch 1 these are ~10 us kernels, so each launch hidden counts.
+PDL: bool | None = None  # None: where available; False: never (A/B)
 
 
 def _block_d(head_dim: int) -> int:
@@ -120,7 +127,10 @@ def _decode_stage1_kernel(
     num_kv_splits,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        launch_next_then_wait()
     b = tl.program_id(0)
     hb = tl.program_id(1)  # head block: kv head * HEAD_BLOCKS + block within the group
     split = tl.program_id(2)
@@ -177,8 +187,10 @@ def _decode_stage2_kernel(
     MidO, MidLse, Out, kv_indptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     num_kv_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        launch_next_then_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -260,7 +272,7 @@ def decode_attention(
         num_kv_splits,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        **extra,
+        **extra, **pdl.launch(q.device, env=PDL),
     )
     _decode_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, kv_indptr,
@@ -268,7 +280,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         num_kv_splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        **({"num_warps": 2 if block_d <= 128 else 4, "num_stages": 2} if gpu else {}),
+        **({"num_warps": 2 if block_d <= 128 else 4, "num_stages": 2} if gpu else {}), **pdl.launch(q.device, env=PDL),
     )
     return out
 

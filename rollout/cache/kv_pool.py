@@ -9,6 +9,8 @@ out: padded rows (CUDA-graph batches, masked attention) write and read it harmle
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rollout import kernels
@@ -101,6 +103,25 @@ class PageAllocator:
         return max(0, -(-end // ps) - (-(-start // ps)))
 
 
+@dataclass(frozen=True)
+class KVTarget:
+    """Where one layer's new K/V of a step go: that layer's pool buffers, at the step's slots.
+    The kernel that makes K (the rotary, rollout.model.llama.Rotary) writes them there in its
+    own launch on GPU; `write` is the same store on its own (and the CPU path)."""
+
+    k_cache: torch.Tensor  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [T], device
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [T, Hkv, D]
+        if kernels.use_fused(k):  # GPU: K and V in one launch
+            kernels.fused.store_kv(self.k_cache, self.v_cache, self.slots, k, v)
+            return
+        self.k_cache.index_copy_(0, self.slots, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, self.slots, v.to(self.v_cache.dtype))
+
+
 class KVPool:
     """Per-layer K/V buffers `[num_slots, num_kv_heads, head_dim]` and their allocator."""
 
@@ -128,13 +149,12 @@ class KVPool:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
+    def target(self, layer_id: int, slots: torch.Tensor) -> KVTarget:
+        return KVTarget(self.k_buffers[layer_id], self.v_buffers[layer_id], slots)
+
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
-        if kernels.use_fused(k):  # GPU: K and V in one launch
-            kernels.fused.store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v)
-            return
-        self.k_buffers[layer_id].index_copy_(0, slots, k.to(self.k_buffers[layer_id].dtype))
-        self.v_buffers[layer_id].index_copy_(0, slots, v.to(self.v_buffers[layer_id].dtype))
+        self.target(layer_id, slots).write(k, v)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's KV from slots `src` to slots `dst` (forking a partial page)."""

@@ -23,6 +23,7 @@ from rollout.model.parallel import make_embedding
 
 if TYPE_CHECKING:
     from rollout.attention.base import AttentionBackend
+    from rollout.cache.kv_pool import KVTarget
 
 
 class LoraProjection(Protocol):
@@ -100,12 +101,18 @@ class Rotary(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
-                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                delta: torch.Tensor | None = None, kv: KVTarget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k). q: [T, H, D], k and v: [T, Hkv, D] (may be strided views of the qkv
         projection output). `delta`: that projection's deferred adapter delta [T, (H + 2 Hkv) D],
-        added to q and k before they rotate and to v in place."""
-        if kernels.use_fused(q):  # GPU: one launch for q and k (and v's delta), cos/sin gathered in-kernel
-            return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta)
+        added to q and k before they rotate and to v in place. `kv`: also store the rotated k
+        and v in the KV pool there (on GPU in the same launch: one kernel less a layer)."""
+        if kv is not None and v is None:
+            raise ValueError("storing K/V needs v")
+        if kernels.use_fused(q):  # GPU: one launch for q and k (and v's delta, the KV store), cos/sin gathered in-kernel
+            if kv is None:
+                return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta)
+            return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta,
+                                                  k_cache=kv.k_cache, v_cache=kv.v_cache, slots=kv.slots)
         if delta is not None:
             assert v is not None, "a qkv delta needs v"
             dq, dk, dv = delta.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
@@ -113,7 +120,10 @@ class Rotary(nn.Module):
             v.copy_(with_delta(v, dv.view(v.shape)))
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if kv is not None:
+            kv.write(k, v)
+        return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,8 +194,9 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k, v=v, delta=delta)
-        o = backend.forward(q, k, v, self.layer_id)  # [T, H, D]
+        kv = backend.kv_target(self.layer_id)  # the rotary stores K/V, in its own launch on GPU
+        q, k = rotary(positions, q, k, v=v, delta=delta, kv=kv)
+        o = backend.forward(q, k, v, self.layer_id, stored=kv is not None)  # [T, H, D]
         # row-parallel: each rank's delta is a partial sum the all-reduce must carry
         out, delta = self.o_proj.forward_deferred(o.reshape(t, self.q_size), defer=self.tp.size == 1)
         return self.tp.all_reduce(out), delta  # partial sums over heads

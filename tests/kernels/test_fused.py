@@ -332,6 +332,59 @@ def test_store_kv_rejects_mismatches() -> None:
         fused.store_kv(cache, cache.clone(), torch.arange(3, device=DEVICE), k.transpose(0, 1).contiguous().transpose(0, 1), k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_delta_", [False, True], ids=["plain", "delta"])
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1), (4, 4)], ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_rotary_stores_k_and_v_by_slot_in_its_launch(tokens: int, heads: tuple[int, int], with_delta_: bool,
+                                                     dtype: torch.dtype) -> None:
+    # the fused store (Attention.forward on GPU) writes exactly what the rotary then store_kv
+    # would: k_rot and v (after its delta) at the slots, nothing else of the caches
+    (n_q, n_kv), dim = heads, 64
+    qkv = torch.randn(tokens, (n_q + 2 * n_kv) * dim, device=DEVICE).to(dtype)
+    delta = torch.randn(tokens, qkv.shape[1], device=DEVICE) if with_delta_ else None
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split([n_q * dim, n_kv * dim, n_kv * dim], dim=-1)
+        return q.reshape(tokens, n_q, dim), k.reshape(tokens, n_kv, dim), v.reshape(tokens, n_kv, dim)
+
+    cos, sin = _tables(dim)
+    positions = torch.randint(0, cos.shape[0], (tokens,), device=DEVICE)
+    k_cache, v_cache = (torch.randn(40, n_kv, dim, device=DEVICE).to(dtype) for _ in range(2))
+    slots = torch.randperm(40, device=DEVICE)[:tokens]
+    ref_qkv = qkv.clone()
+    rq, rk, rv = views(ref_qkv)
+    want_q, want_k = fused.rotary_embedding(rq, rk, cos, sin, positions, v=rv if with_delta_ else None, delta=delta)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    fused.store_kv(want_kc, want_vc, slots, want_k, rv)
+    q, k, v = views(qkv)
+    with poisoned_outputs():
+        q_rot, k_rot = fused.rotary_embedding(q, k, cos, sin, positions, v=v, delta=delta, k_cache=k_cache,
+                                              v_cache=v_cache, slots=slots)
+    assert torch.equal(q_rot, want_q) and torch.equal(k_rot, want_k)
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+    assert torch.equal(qkv, ref_qkv), "v in place only with a delta, and as the unfused rotary leaves it"
+
+
+def test_rotary_store_is_checked() -> None:
+    qkv = torch.randn(2, 6 * 16, device=DEVICE)
+    q, k, v = qkv[:, :64].reshape(2, 4, 16), qkv[:, 64:80].reshape(2, 1, 16), qkv[:, 80:].reshape(2, 1, 16)
+    cos, sin = _tables(16)
+    pos = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    cache = torch.zeros(8, 1, 16, device=DEVICE)
+    slots = torch.tensor([3, 5], device=DEVICE)
+    with pytest.raises(ValueError, match="needs k_cache, v_cache, slots and v"):
+        fused.rotary_embedding(q, k, cos, sin, pos, k_cache=cache, v_cache=cache.clone(), slots=slots)
+    with pytest.raises(ValueError, match="needs k_cache, v_cache, slots and v"):
+        fused.rotary_embedding(q, k, cos, sin, pos, v=v, k_cache=cache, v_cache=cache.clone())
+    with pytest.raises(ValueError, match="slots must be int"):
+        fused.rotary_embedding(q, k, cos, sin, pos, v=v, k_cache=cache, v_cache=cache.clone(), slots=slots[:1])
+    with pytest.raises(ValueError, match="mismatched"):
+        fused.rotary_embedding(q, k, cos, sin, pos, v=v, k_cache=torch.zeros(8, 2, 16, device=DEVICE),
+                               v_cache=torch.zeros(8, 2, 16, device=DEVICE), slots=slots)
+    assert torch.equal(cache, torch.zeros_like(cache)), "a refused call writes nothing"
+
+
 # ------------------------------------------------------------ bf16 smoke (interpreter)
 
 
@@ -380,7 +433,11 @@ def test_rejects_bad_arguments() -> None:
 class _CausalAttention:
     """A stand-in attention backend: one sequence, causal, GQA by repeating kv heads."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def kv_target(self, layer_id: int) -> None:
+        return None  # no pool: forward gets k and v
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                stored: bool = False) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]
         group = q.shape[1] // k.shape[1]
         k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
