@@ -173,3 +173,10 @@ def test_bench_structured_smoke_on_cpu() -> None:
         text = _run("scripts.bench_structured", *small, *extra)
         rows = [line for line in text.splitlines() if line.startswith(("unconstrained", "half JSON")) and "|" in line]
         assert len(rows) == 2 and "compile JSON schema" in text, text[-1500:]
+
+
+def test_bench_first_step_smoke_on_cpu() -> None:
+    """python -m scripts.bench_first_step on the tiny shape: each run's steps, then the first step alone."""
+    text = _run("scripts.bench_first_step", "--device", "cpu", "--shape", "tiny", "--new", "6", "--repeats", "1")
+    assert "run 0:" in text and "7 steps: first" in text, text
+    assert text.count("first step") == 2 and "first step (profiled): host" in text, text
