@@ -178,5 +178,5 @@ def test_bench_structured_smoke_on_cpu() -> None:
 def test_bench_first_step_smoke_on_cpu() -> None:
     """python -m scripts.bench_first_step on the tiny shape: each run's steps, then the first step alone."""
     text = _run("scripts.bench_first_step", "--device", "cpu", "--shape", "tiny", "--new", "6", "--repeats", "1")
-    assert "run 0:" in text and "7 steps: first" in text, text
+    assert "run 0:" in text and "6 steps: first" in text, text
     assert text.count("first step") == 2 and "first step (profiled): host" in text, text
