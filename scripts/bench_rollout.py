@@ -203,6 +203,9 @@ def main() -> None:
     parser.add_argument("--rotary-store", nargs="+", default=["on"], choices=["on", "off"],
                         help="K/V stored in the rotary's launch, and PDL for the rotary and the Triton decode "
                              "kernels (on), or neither (off: session 6's engine); one run per value, in order")
+    parser.add_argument("--silu-epilogue", nargs="+", default=["on"], choices=["on", "off"],
+                        help="batch 1: SiLU-mul as the gate_up GEMV's epilogue (rollout.kernels.silu_epilogue) or "
+                             "its own kernel; one run per value, inside each --rotary-store value")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams, kernels
@@ -306,8 +309,10 @@ def main() -> None:
             runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
         else:
             runs += [("auto", o == "on", True) for o in args.overlap]
-    runs = [(*run, skinny, rs) for rs in args.rotary_store for skinny in args.skinny for run in runs]
-    for attention, overlap, deterministic, skinny, rotary_store in runs:
+    runs = [(*run, skinny, rs, silu) for rs in args.rotary_store for silu in args.silu_epilogue for skinny in args.skinny
+            for run in runs]
+    for attention, overlap, deterministic, skinny, rotary_store, silu in runs:
+        kernels.silu_epilogue = silu == "on"
         # read as the engine captures its graphs and for every eager step: kept until it is done
         kernels.skinny_matmul = skinny == "on"
         base.FUSED_KV_STORE = rotary_store == "on"
@@ -318,7 +323,7 @@ def main() -> None:
             traceback.print_exc()
             continue
         label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
-                 f"{', own KV store' if rotary_store == 'off' else ''}")
+                 f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}")
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from rollout.kernels import fused as fused
     from rollout.kernels import skinny as skinny
 
-__all__ = ["available", "enabled", "linear", "skinny_matmul", "use_fused"]
+__all__ = ["available", "enabled", "linear", "linear_silu_mul", "silu_epilogue", "skinny_matmul", "use_fused"]
 
 # None: automatic (CUDA tensors only). Tests only: True routes CPU tensors through the
 # kernels too (needs TRITON_INTERPRET=1 set before triton is first imported); False keeps
@@ -61,14 +61,34 @@ def use_fused(x: torch.Tensor) -> bool:
 skinny_matmul: bool = True
 
 
+# ... and the gate_up projection's GEMV writes silu(gate) * up itself (skinny.linear_silu_mul):
+# one SiLU-mul launch a layer fewer. False: the two apart (A/B).
+silu_epilogue: bool = True
+
+
+def _skinny_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.shape[0] == 1 and x.dtype != torch.float32 and skinny_matmul and use_fused(x) and weight.is_contiguous() \
+        and x.stride(-1) == 1
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): a projection's matmul (x: [T, in], weight: [out, in])."""
-    if x.shape[0] == 1 and x.dtype != torch.float32 and skinny_matmul and use_fused(x) and weight.is_contiguous() \
-            and x.stride(-1) == 1:
+    if _skinny_row(x, weight):
         from rollout.kernels import skinny  # lazy, as below: the CPU path never imports triton
 
         return skinny.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of linear(x, weight, bias) (weight: gate's rows, then up's) in the
+    matmul's one launch where `linear` would run the skinny kernel; None elsewhere (the caller
+    runs the matmul, then SiLU-mul)."""
+    if not (silu_epilogue and _skinny_row(x, weight) and weight.shape[0] % 2 == 0):
+        return None
+    from rollout.kernels import skinny
+
+    return skinny.linear_silu_mul(x, weight, bias)
 
 
 def __getattr__(name: str) -> Any:

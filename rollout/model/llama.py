@@ -147,6 +147,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_deferred(x, defer=False)[0]  # the adapter's delta added to y in place
 
+    @property
+    def foldable(self) -> bool:
+        """May the kernel after this projection run in its matmul's launch (no adapter adds to
+        the output, the matmul is the default one)?"""
+        return self.lora is None and self.matmul is kernels.linear
+
     def forward_deferred(self, x: torch.Tensor, defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): like forward, but an adapter delta may be left out of y, as fp32
         [T, out] for the caller's next kernel to add (`with_delta`; lora/hook.py says when).
@@ -214,12 +220,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, down_proj's deferred adapter delta or None): the next norm adds the delta."""
-        gate_up, delta = self.gate_up_proj.forward_deferred(x)  # [T, 2I/tp]
-        if kernels.use_fused(gate_up):  # GPU: one kernel instead of silu, then mul
-            act = kernels.fused.silu_and_mul(gate_up, delta=delta)
-        else:
-            gate, up = with_delta(gate_up, delta).split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
+        up_proj = self.gate_up_proj
+        # batch 1 on GPU: SiLU-mul as the gate_up GEMV's epilogue (this rank's gate rows, then up's)
+        act = kernels.linear_silu_mul(x, up_proj.weight, up_proj.bias) if up_proj.foldable else None
+        if act is None:
+            gate_up, delta = up_proj.forward_deferred(x)  # [T, 2I/tp]
+            if kernels.use_fused(gate_up):  # GPU: one kernel instead of silu, then mul
+                act = kernels.fused.silu_and_mul(gate_up, delta=delta)
+            else:
+                gate, up = with_delta(gate_up, delta).split(self.intermediate_size, dim=-1)
+                act = F.silu(gate) * up
         out, delta = self.down_proj.forward_deferred(act, defer=self.tp.size == 1)  # row-parallel, as o_proj
         return self.tp.all_reduce(out), delta
 

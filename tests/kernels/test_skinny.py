@@ -139,3 +139,82 @@ def test_model_logits_with_and_without_the_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "skinny_matmul", False)
     ref = model.logits(h)
     assert calls == [1] and (with_kernel - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+# ------------------------------------------------- SiLU-mul as the gate_up GEMV's epilogue
+
+# (2I, K): one pair of rows, an I that the tiles' pairs do not divide, a K tail
+SILU_SHAPES = [(2, 16), (14, 33), (40, 96), (34, 200)]
+
+
+@pytest.mark.parametrize("n,k", SILU_SHAPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_silu_mul_epilogue_is_the_gemv_then_the_silu_kernel(n, k, bias):
+    """linear_silu_mul = skinny.linear, then fused.silu_and_mul, bit for bit (the same tiles, the
+    same roundings: gate_up's output, SiLU's, the product's), on [1, I]."""
+    from rollout.kernels import fused
+
+    for dtype in DTYPES:
+        x, w, b = _case(1, n, k, dtype, bias, seed=n)
+        for tiles in SMALL + [skinny.Tiles(2, 32, 1)] + ([None] if GPU else []):
+            y = skinny.linear_silu_mul(x, w, b, tiles=tiles)
+            assert y.shape == (1, n // 2)
+            assert torch.equal(y, fused.silu_and_mul(skinny.linear(x, w, b, tiles=tiles))), (dtype, tiles)
+
+
+def test_silu_mul_epilogue_refuses_odd_rows_and_tiles():
+    x, w, _ = _case(1, 15, 32, torch.float16, False)
+    with pytest.raises(ValueError, match="even number of rows"):
+        skinny.linear_silu_mul(x, w)
+    with pytest.raises(ValueError, match="block_n must be even"):
+        skinny.linear_silu_mul(x, w[:14], tiles=skinny.Tiles(3, 32, 1))
+    with pytest.raises(ValueError, match="2 rows"):
+        skinny.linear_silu_mul(torch.cat([x, x]), w[:14])
+
+
+class _NoDelta:
+    """An adapter hook (lora/hook.py's protocol) with nothing to add."""
+
+    def begin(self, x, defer):
+        return None
+
+    def finish(self, pending, out):
+        return None
+
+
+def test_the_mlp_runs_silu_mul_in_the_gate_up_gemv(spy, monkeypatch):
+    """A tiny fp16 model's MLP at one row: no SiLU-mul launch, the gate_up GEMV's epilogue
+    instead, and the same output as the two kernels apart; not with an adapter on gate_up (its
+    delta is added to gate_up before SiLU), nor for two rows or with the switch off."""
+    from rollout.kernels import fused
+    from rollout.model.build import build_model, init_random_weights
+    from rollout.model.config import ModelConfig
+    from rollout.model.shapes import SHAPES as MODEL_SHAPES
+
+    monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
+    cfg = ModelConfig.from_dict(MODEL_SHAPES["tiny"])
+    model = build_model(cfg, 64, torch.float16, torch.device(DEVICE))
+    init_random_weights(model, seed=0)
+    mlp = model.layers[0].mlp
+    launched: list[str] = []
+    for mod, name in ((fused, "silu_and_mul"), (skinny, "linear_silu_mul")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: launched.append(_n) or _r(*a, **kw))
+    x = _case(2, 8, cfg.hidden_size, torch.float16, False, seed=7)[0]
+
+    def run(rows: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+        launched.clear()
+        with torch.inference_mode():
+            out, delta = mlp(rows)
+        assert delta is None
+        return out, list(launched)
+
+    out, kernels_run = run(x[:1])
+    assert kernels_run == ["linear_silu_mul"]
+    monkeypatch.setattr(kernels, "silu_epilogue", False)
+    ref, kernels_run = run(x[:1])
+    assert kernels_run == ["silu_and_mul"] and torch.equal(out, ref)
+    monkeypatch.setattr(kernels, "silu_epilogue", True)
+    assert run(x)[1] == ["silu_and_mul"]  # two rows: cuBLAS (here the CPU's matmul), then the kernel
+    mlp.gate_up_proj.lora = _NoDelta()
+    assert run(x[:1])[1] == ["silu_and_mul"]
