@@ -21,6 +21,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--cprofile", type=int, default=0, help="also the first step under cProfile: its top N Python functions")
     args = p.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -89,6 +90,22 @@ def main() -> None:
         while engine.has_unfinished():
             engine.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
+    if args.cprofile:  # the host's Python: which of our functions (and torch's, Triton's) the step's time is in
+        import cProfile
+        import pstats
+
+        for _ in range(2):
+            engine.flush_cache()
+            sync()
+            engine.add_request(prompt(), params)
+            with cProfile.Profile() as cprof:
+                engine.step()
+                sync()
+            while engine.has_unfinished():
+                engine.step()
+        stats = pstats.Stats(cprof)
+        stats.sort_stats("tottime").print_stats(args.cprofile)
+        stats.sort_stats("cumulative").print_stats(args.cprofile)
 
 
 if __name__ == "__main__":
