@@ -177,6 +177,8 @@ def test_bench_structured_smoke_on_cpu() -> None:
 
 def test_bench_first_step_smoke_on_cpu() -> None:
     """python -m scripts.bench_first_step on the tiny shape: each run's steps, then the first step alone."""
-    text = _run("scripts.bench_first_step", "--device", "cpu", "--shape", "tiny", "--new", "6", "--repeats", "1")
+    text = _run("scripts.bench_first_step", "--device", "cpu", "--shape", "tiny", "--new", "6", "--repeats", "1",
+                "--cprofile", "3")
     assert "run 0:" in text and "6 steps: first" in text, text
     assert text.count("first step") == 2 and "first step (profiled): host" in text, text
+    assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text, text[-1500:]
