@@ -38,7 +38,7 @@ def main() -> None:
     from rollout import Engine, EngineConfig, SamplingParams, kernels
     from rollout.attention import base, triton_kernels
     from rollout.bench.steady import PhaseTimer, run_to_decode
-    from rollout.kernels import fused, pdl
+    from rollout.kernels import pdl, rotary
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     cuda = args.device.startswith("cuda")
@@ -54,7 +54,7 @@ def main() -> None:
         kernels.silu_epilogue = silu == "silu"
         kernels.skinny_matmul = matmul == "skinny"  # read as the engine captures its graphs
         pdl.ENV = launch != "nopdl"
-        fused.ROTARY_PDL = triton_kernels.PDL = False if launch == "pdl-mm" else None
+        rotary.PDL = triton_kernels.PDL = False if launch == "pdl-mm" else None
         base.FUSED_KV_STORE = kv == "rotary"
         engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device,
                                      load_format="dummy", page_size=16, gpu_memory_fraction=0.6, attention=attention,

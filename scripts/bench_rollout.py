@@ -197,20 +197,20 @@ def main() -> None:
     parser.add_argument("--deterministic", nargs="+", default=["off"], choices=["off", "on"],
                         help="one run of the workloads per mode, in this order, repeats allowed "
                              "(EngineConfig.deterministic; attention 'auto')")
-    parser.add_argument("--skinny", nargs="+", default=["on"], choices=["on", "off"],
-                        help="the skinny matmul at batch 1 (rollout.kernels.skinny_matmul) or cuBLAS: one "
-                             "run of the workloads per value, in this order, repeats allowed")
-    parser.add_argument("--rotary-store", nargs="+", default=["on"], choices=["on", "off"],
-                        help="K/V stored in the rotary's launch, and PDL for the rotary and the Triton decode "
-                             "kernels (on), or neither (off: session 6's engine); one run per value, in order")
-    parser.add_argument("--silu-epilogue", nargs="+", default=["on"], choices=["on", "off"],
-                        help="batch 1: SiLU-mul as the gate_up GEMV's epilogue (rollout.kernels.silu_epilogue) or "
-                             "its own kernel; one run per value, inside each --rotary-store value")
+    # engine switches for A/B runs: one run of the workloads per value given, in that order, repeats allowed
+    for flag, what in (
+        ("--skinny", "the skinny matmul at batch 1 (rollout.kernels.skinny_matmul) or cuBLAS"),
+        ("--rotary-store", "K/V stored in the rotary's launch, and PDL for the rotary and the Triton decode kernels "
+                           "(on), or neither (off: session 6's engine)"),
+        ("--silu-epilogue", "batch 1: SiLU-mul as the gate_up GEMV's epilogue (rollout.kernels.silu_epilogue) or "
+                            "its own kernel"),
+    ):
+        parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams, kernels
     from rollout.attention import base, triton_kernels
-    from rollout.kernels import fused
+    from rollout.kernels import rotary
 
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
@@ -316,7 +316,7 @@ def main() -> None:
         # read as the engine captures its graphs and for every eager step: kept until it is done
         kernels.skinny_matmul = skinny == "on"
         base.FUSED_KV_STORE = rotary_store == "on"
-        fused.ROTARY_PDL = triton_kernels.PDL = None if rotary_store == "on" else False
+        rotary.PDL = triton_kernels.PDL = None if rotary_store == "on" else False
         try:
             engine = engine_for(attention, overlap, deterministic=deterministic)
         except Exception:

@@ -116,7 +116,7 @@ class KVTarget:
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [T, Hkv, D]
         if kernels.use_fused(k):  # GPU: K and V in one launch
-            kernels.fused.store_kv(self.k_cache, self.v_cache, self.slots, k, v)
+            kernels.rotary.store_kv(self.k_cache, self.v_cache, self.slots, k, v)
             return
         self.k_cache.index_copy_(0, self.slots, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, self.slots, v.to(self.v_cache.dtype))

@@ -1,6 +1,7 @@
-"""Fused GPU kernels for the decoder's per-token elementwise work (RMSNorm with the residual
-add, SiLU-and-mul, rotary embedding). They live in `rollout.kernels.fused` (Triton); the
-torch code in `rollout.model.llama` is both the CPU path and their reference. Beside them,
+"""Fused GPU kernels for the decoder's per-token elementwise work: RMSNorm with the residual
+add and SiLU-and-mul in `rollout.kernels.fused`, the rotary embedding and the KV store in
+`rollout.kernels.rotary` (Triton); the torch code in `rollout.model.llama` is both the CPU
+path and their reference. Beside them,
 `rollout.kernels.finite`: the one-launch NaN/Inf check of a weight update's tensors, and
 `rollout.kernels.skinny`: the projections' matmul at a batch-1 decode's one row (`linear`
 below picks it; F.linear is its reference).
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from rollout.kernels import finite as finite
     from rollout.kernels import fused as fused
+    from rollout.kernels import rotary as rotary
     from rollout.kernels import skinny as skinny
 
 __all__ = ["available", "enabled", "linear", "linear_silu_mul", "silu_epilogue", "skinny_matmul", "use_fused"]
@@ -92,9 +94,9 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy `kernels.fused` / `finite` / `skinny` (PEP 562): importing the model never imports
+    # Lazy `kernels.fused` / `finite` / `rotary` / `skinny` (PEP 562): importing the model never imports
     # triton. After the first access the submodule is a real attribute and this hook is not
     # called again.
-    if name in ("fused", "finite", "skinny"):
+    if name in ("fused", "finite", "rotary", "skinny"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

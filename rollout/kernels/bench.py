@@ -33,7 +33,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    from rollout.kernels import fused
+    from rollout.kernels import fused, rotary
     from rollout.model.llama import _rotate
 
     dev, bf16, eps = "cuda", torch.bfloat16, 1e-6
@@ -65,7 +65,7 @@ def main() -> None:
              2 * 4 * t * args.hidden),
             ("silu_and_mul", lambda: F.silu(gate_up[:, : args.inter]) * gate_up[:, args.inter :],
              lambda: fused.silu_and_mul(gate_up), 2 * 3 * t * args.inter),
-            ("rotary q+k", lambda: torch_rope(q, k, pos), lambda: fused.rotary_embedding(q, k, cos, sin, pos),
+            ("rotary q+k", lambda: torch_rope(q, k, pos), lambda: rotary.rotary_embedding(q, k, cos, sin, pos),
              2 * 2 * t * (nq + nkv) * hd),
         ]
         for name, ref, fast, nbytes in cases:

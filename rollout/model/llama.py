@@ -110,8 +110,8 @@ class Rotary(nn.Module):
             raise ValueError("storing K/V needs v")
         if kernels.use_fused(q):  # GPU: one launch for q and k (and v's delta, the KV store), cos/sin gathered in-kernel
             if kv is None:
-                return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta)
-            return kernels.fused.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta,
+                return kernels.rotary.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta)
+            return kernels.rotary.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta,
                                                   k_cache=kv.k_cache, v_cache=kv.v_cache, slots=kv.slots)
         if delta is not None:
             assert v is not None, "a qkv delta needs v"

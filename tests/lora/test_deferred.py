@@ -129,14 +129,15 @@ def test_fused_and_sgmv_kernels_deferred_is_bit_equal_to_in_place(monkeypatch: p
     device = torch.device("cpu")
     model, pool = _model("LlamaForCausalLM", torch.float16, device)  # the interpreter has no bf16 dot
     calls: dict[str, int] = {}
-    for name in ("rms_norm", "silu_and_mul", "rotary_embedding"):
-        real = getattr(kernels.fused, name)
+    for module, name in ((kernels.fused, "rms_norm"), (kernels.fused, "silu_and_mul"),
+                         (kernels.rotary, "rotary_embedding")):
+        real = getattr(module, name)
 
         def with_delta_counted(*args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
             calls[_name] = calls.get(_name, 0) + (kw.get("delta") is not None)
             return _real(*args, **kw)
 
-        monkeypatch.setattr(kernels.fused, name, with_delta_counted)
+        monkeypatch.setattr(module, name, with_delta_counted)
     in_place, deferred = _both(model, pool, device, SLOTS)
     layers = model.config.num_layers
     assert len(deferrals) == 4 * layers
