@@ -1,15 +1,17 @@
 """Batch-1 decode, variant against variant in one process: wall per step, the device's
 span per step (CUDA events) and the host phases, with the engine of bench_rollout (b).
 
-A variant is attention:matmul:pdl[:kv[:silu]], e.g. `auto:skinny:pdl` (the default engine) or
+A variant is attention:matmul:pdl[:kv[:silu[:rope]]], e.g. `auto:skinny:pdl` (the default engine) or
 `flashinfer:cublas:nopdl` (the engine before issue #16's batch-1 work): the attention
 backend, the one-row matmul (the skinny kernel or cuBLAS, rollout.kernels.skinny_matmul),
 programmatic dependent launch on or off (rollout.kernels.pdl.ENV) or `pdl-mm` (for the
 norms, SiLU-mul and the GEMV only: not the rotary and the attention kernels), and where the
 new K/V are stored: `rotary` (default: in the rotary's launch) or `store` (a launch of its
 own, rollout.attention.base.FUSED_KV_STORE), and SiLU-mul as the gate_up GEMV's epilogue:
-`silu` (default) or `nosilu` (its own kernel, rollout.kernels.silu_epilogue).
-`auto:skinny:pdl-mm:store:nosilu` is session 6's engine. Each variant is its own engine, built after the previous one is gone; repeat one to
+`silu` (default) or `nosilu` (its own kernel, rollout.kernels.silu_epilogue), and the rotary with the
+K/V store as the qkv GEMV's epilogue: `rope` (default) or `norope` (the rotary's own launch,
+rollout.kernels.rope_epilogue). `auto:skinny:pdl-mm:store:nosilu:norope` is session 6's engine,
+`auto:skinny:pdl:rotary:silu:norope` session 7's. Each variant is its own engine, built after the previous one is gone; repeat one to
 see the drift of a call.
 
     python -m scripts.bench_batch1 [--variants auto:skinny:pdl auto:skinny:pdl-mm:store auto:skinny:pdl]
@@ -29,7 +31,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama8b")
     p.add_argument("--variants", nargs="+",
-                   default=["auto:skinny:pdl", "auto:skinny:pdl:rotary:nosilu", "auto:skinny:pdl-mm:store:nosilu"])
+                   default=["auto:skinny:pdl", "auto:skinny:pdl:rotary:silu:norope",
+                            "auto:skinny:pdl-mm:store:nosilu:norope"])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
@@ -46,12 +49,14 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     rows = []
     for variant in args.variants:
-        attention, matmul, launch, kv, silu = (variant.split(":") + ["rotary", "silu"])[:5]
+        fields = variant.split(":")
+        attention, matmul, launch, kv, silu, rope = (fields + ["rotary", "silu", "rope"][max(len(fields) - 3, 0):])[:6]
         if matmul not in ("skinny", "cublas") or launch not in ("pdl", "nopdl", "pdl-mm") or kv not in ("rotary", "store") \
-                or silu not in ("silu", "nosilu"):
+                or silu not in ("silu", "nosilu") or rope not in ("rope", "norope"):
             raise SystemExit(f"variant {variant!r}: expected "
-                             "attention:skinny|cublas:pdl|nopdl|pdl-mm[:rotary|store[:silu|nosilu]]")
+                             "attention:skinny|cublas:pdl|nopdl|pdl-mm[:rotary|store[:silu|nosilu[:rope|norope]]]")
         kernels.silu_epilogue = silu == "silu"
+        kernels.rope_epilogue = rope == "rope"
         kernels.skinny_matmul = matmul == "skinny"  # read as the engine captures its graphs
         pdl.ENV = launch != "nopdl"
         rotary.PDL = triton_kernels.PDL = False if launch == "pdl-mm" else None

@@ -204,6 +204,8 @@ def main() -> None:
                            "(on), or neither (off: session 6's engine)"),
         ("--silu-epilogue", "batch 1: SiLU-mul as the gate_up GEMV's epilogue (rollout.kernels.silu_epilogue) or "
                             "its own kernel"),
+        ("--rope-epilogue", "batch 1: the rotary and the K/V store as the qkv GEMV's epilogue "
+                            "(rollout.kernels.rope_epilogue) or the rotary's own launch"),
     ):
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
     args = parser.parse_args()
@@ -309,10 +311,11 @@ def main() -> None:
             runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
         else:
             runs += [("auto", o == "on", True) for o in args.overlap]
-    runs = [(*run, skinny, rs, silu) for rs in args.rotary_store for silu in args.silu_epilogue for skinny in args.skinny
-            for run in runs]
-    for attention, overlap, deterministic, skinny, rotary_store, silu in runs:
+    runs = [(*run, skinny, rs, silu, rope) for rs in args.rotary_store for silu in args.silu_epilogue
+            for rope in args.rope_epilogue for skinny in args.skinny for run in runs]
+    for attention, overlap, deterministic, skinny, rotary_store, silu, rope in runs:
         kernels.silu_epilogue = silu == "on"
+        kernels.rope_epilogue = rope == "on"
         # read as the engine captures its graphs and for every eager step: kept until it is done
         kernels.skinny_matmul = skinny == "on"
         base.FUSED_KV_STORE = rotary_store == "on"
@@ -323,7 +326,8 @@ def main() -> None:
             traceback.print_exc()
             continue
         label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
-                 f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}")
+                 f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}"
+                 f"{', own rotary' if rope == 'off' else ''}")
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)

@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from rollout.cache.kv_pool import KVTarget
     from rollout.kernels import finite as finite
     from rollout.kernels import fused as fused
     from rollout.kernels import rotary as rotary
     from rollout.kernels import skinny as skinny
 
-__all__ = ["available", "enabled", "linear", "linear_silu_mul", "silu_epilogue", "skinny_matmul", "use_fused"]
+__all__ = ["available", "enabled", "linear", "linear_rope_kv", "linear_silu_mul", "rope_epilogue", "silu_epilogue",
+           "skinny_matmul", "use_fused"]
 
 # None: automatic (CUDA tensors only). Tests only: True routes CPU tensors through the
 # kernels too (needs TRITON_INTERPRET=1 set before triton is first imported); False keeps
@@ -66,6 +68,9 @@ skinny_matmul: bool = True
 # ... and the gate_up projection's GEMV writes silu(gate) * up itself (skinny.linear_silu_mul):
 # one SiLU-mul launch a layer fewer. False: the two apart (A/B).
 silu_epilogue: bool = True
+# ... and the qkv projection's GEMV rotates q and k and stores k and v in the KV pool itself
+# (skinny.linear_rope_kv): one rotary launch a layer fewer. False: the two apart (A/B).
+rope_epilogue: bool = True
 
 
 def _skinny_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -91,6 +96,21 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     from rollout.kernels import skinny
 
     return skinny.linear_silu_mul(x, weight, bias)
+
+
+def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                   sin: torch.Tensor, positions: torch.Tensor, kv: KVTarget | None, n_q_heads: int,
+                   n_kv_heads: int) -> torch.Tensor | None:
+    """The qkv projection with the rotary of q and k and the K/V store into `kv` in the matmul's
+    one launch, where `linear` would run the skinny kernel and there is a store to make: [1,
+    (H + 2 Hkv) D] with q and k rotated; None elsewhere (the caller runs the matmul, then the
+    rotary)."""
+    if not (rope_epilogue and kv is not None and _skinny_row(x, weight)):
+        return None
+    from rollout.kernels import skinny
+
+    rope = skinny.RopeKV(cos, sin, positions, kv.k_cache, kv.v_cache, kv.slots, n_q_heads, n_kv_heads)
+    return skinny.linear_rope_kv(x, weight, bias, rope)
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,11 @@ by no kernel of a step, x is the only input it waits for.
 `linear_silu_mul` is the gate_up projection with SiLU-mul as its epilogue: each program takes
 rows j of gate and I + j of up, so it holds both halves of its outputs and writes
 silu(gate) * up (rounded where fused.silu_and_mul rounds) instead of gate_up: the SiLU-mul
-kernel and half of gate_up's writes are gone, and no work is repeated. (Folding a kernel into
+kernel and half of gate_up's writes are gone, and no work is repeated. `linear_rope_kv` is the
+qkv projection with the rotary and the K/V store as its epilogue, the same pairing within a
+head (rows j and D/2 + j): it writes q and k rotated, v as it is, and k and v into the KV pool
+at the token's slot, bit-equal to the GEMV, then rotary.rotary_embedding with its store (the
+rotary launch, one a layer, is gone). (Folding a kernel into
 the GEMV *after* it, the norm before qkv or SiLU-mul before down, was measured and dropped:
 every program then redid it over the whole row, BENCHMARKS.md "Batch 1, session 7".)
 
@@ -38,7 +42,7 @@ import triton.language as tl
 
 from rollout.kernels import pdl
 
-__all__ = ["Tiles", "linear", "linear_silu_mul", "tiles_for"]
+__all__ = ["RopeKV", "Tiles", "linear", "linear_rope_kv", "linear_silu_mul", "tiles_for"]
 
 PDL: bool | None = None  # launch early (rollout/kernels/pdl.py); None: where it is available, False: never
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -61,14 +65,20 @@ def tiles_for(n: int, k: int) -> Tiles:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, SILU_MUL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+                 cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, stride_kc0, stride_kc1,
+                 stride_vc0, stride_vc1, n_q_heads, n_kv_heads,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                 SILU_MUL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
     pid = tl.program_id(0)
+    lane = tl.arange(0, BLOCK_N)
     if SILU_MUL:  # W is [gate; up], N = 2I: rows j and I + j side by side (even and odd lanes)
         half = N // 2
-        lane = tl.arange(0, BLOCK_N)
         j = pid * (BLOCK_N // 2) + lane // 2
         rows = (tl.minimum(j, half - 1) + (lane % 2) * half).to(tl.int64)  # past I: re-read row I - 1's pair
+    elif ROPE:  # W is qkv, heads of 2 HALF rows: pair p = (head, j) takes rows j and HALF + j of its head
+        p = tl.minimum(pid * (BLOCK_N // 2) + lane // 2, N // 2 - 1)  # past N: re-read the last pair
+        rows = ((p // HALF) * (2 * HALF) + p % HALF + (lane % 2) * HALF).to(tl.int64)
     else:
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         # rows past N (the last block of an N that BLOCK_N does not divide) re-read row N - 1, so
@@ -82,14 +92,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
     w = tl.load(w_ptrs, mask=first, other=0.0)
     if USE_PDL:  # x is the output of the kernel right before this one
         tl.extra.cuda.gdc_wait()
+    # explicit FMAs: the same sums whether or not the launch lets the compiler contract (ROPE's does not)
     acc = w.to(tl.float32) * tl.load(x_ptr + rk, mask=rk < full, other=0.0).to(tl.float32)[None, :]
     for k in range(BLOCK_K, full, BLOCK_K):
         w = tl.load(w_ptrs + k)
-        acc += w.to(tl.float32) * tl.load(x_ptr + k + rk).to(tl.float32)[None, :]
+        acc = tl.fma(w.to(tl.float32), tl.load(x_ptr + k + rk).to(tl.float32)[None, :], acc)
     if full < K:
         kk = full + rk
         w = tl.load(w_ptrs + full, mask=(kk < K)[None, :], other=0.0)
-        acc += w.to(tl.float32) * tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+        acc = tl.fma(w.to(tl.float32), tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :], acc)
     if USE_PDL:  # the next kernel may launch now (it waits for this one before reading y)
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
@@ -102,8 +113,47 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         jo = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + jo, (silu * up).to(dtype), mask=jo < half)
+    elif ROPE:
+        _rope_kv_epilogue(y.to(dtype).to(tl.float32), y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr,
+                          stride_cs, stride_kc0, stride_kc1, stride_vc0, stride_vc1, n_q_heads, n_kv_heads,
+                          pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), N // 2, BLOCK_N, HALF)
     else:
         tl.store(y_ptr + rn, y.to(dtype), mask=rn < N)
+
+
+@triton.jit
+def _rope_kv_epilogue(y, y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, stride_kc0,
+                      stride_kc1, stride_vc0, stride_vc1, n_q_heads, n_kv_heads, pairs, n_pairs,
+                      BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """y: this program's qkv outputs (rounded, as fp32), its pairs' two rows side by side.
+    Rotates q's and k's pairs as rotary._rope_heads does (each product and sum rounded to the
+    model dtype), passes v's through, writes all of qkv and stores k and v at the slot."""
+    dtype = y_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+    valid = pairs < n_pairs
+    head = pairs // HALF
+    j = pairs % HALF
+    rotated = head < n_q_heads + n_kv_heads  # q and k heads; v's come after
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cs + j, mask=valid & rotated, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cs + j, mask=valid & rotated, other=0.0).to(dtype).to(tl.float32)
+    r1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    r2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    o1 = tl.where(rotated, r1, x1).to(dtype)
+    o2 = tl.where(rotated, r2, x2).to(dtype)
+    col = head * (2 * HALF) + j
+    tl.store(y_ptr + col, o1, mask=valid)
+    tl.store(y_ptr + col + HALF, o2, mask=valid)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    is_k = valid & rotated & (head >= n_q_heads)
+    is_v = valid & (head >= n_q_heads + n_kv_heads)
+    # masked lanes' offsets may be negative: they are never dereferenced
+    k_off = slot * stride_kc0 + (head - n_q_heads).to(tl.int64) * stride_kc1 + j
+    v_off = slot * stride_vc0 + (head - n_q_heads - n_kv_heads).to(tl.int64) * stride_vc1 + j
+    tl.store(kc_ptr + k_off, o1.to(kc_ptr.dtype.element_ty), mask=is_k)
+    tl.store(kc_ptr + k_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=is_k)
+    tl.store(vc_ptr + v_off, o1.to(vc_ptr.dtype.element_ty), mask=is_v)
+    tl.store(vc_ptr + v_off + HALF, o2.to(vc_ptr.dtype.element_ty), mask=is_v)
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -120,16 +170,42 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"skinny.{name}: x must be contiguous in its last dim, weight contiguous and bias [{n}]")
 
 
+@dataclass(frozen=True)
+class RopeKV:
+    """The qkv GEMV's rotary + KV-store epilogue: what rotary.rotary_embedding takes for
+    one token (cos/sin tables [max_pos, head_dim / 2] fp32, positions and slots [1] on the
+    device) and the layer's pool buffers [num_slots, n_kv_heads, head_dim]."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    n_q_heads: int
+    n_kv_heads: int
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles | None,
-            silu_mul: bool) -> torch.Tensor:
+            silu_mul: bool = False, rope: RopeKV | None = None) -> torch.Tensor:
     n, k = weight.shape
     t = tiles or tiles_for(n, k)
     y = torch.empty(1, n // 2 if silu_mul else n, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(n, t.block_n),)
     b = bias if bias is not None else weight  # a valid pointer the kernel never reads
-    _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=t.block_n,
-                       BLOCK_K=t.block_k, SILU_MUL=silu_mul, num_warps=t.num_warps, num_stages=t.num_stages,
-                       **pdl.launch(x.device, env=PDL))
+    if rope is None:  # valid pointers and strides the kernel never reads
+        tables, kc, vc, ints, half, heads = (y, y), y, y, (y, y), 1, (0, 0)
+        c_strides = (0, 0, 0, 0, 0)
+    else:
+        tables, kc, vc, ints = (rope.cos, rope.sin), rope.k_cache, rope.v_cache, (rope.positions, rope.slots)
+        half, heads = rope.cos.shape[1], (rope.n_q_heads, rope.n_kv_heads)
+        c_strides = (rope.cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
+    _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), *tables, ints[0], kc, vc, ints[1], *c_strides, *heads,
+                       HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SILU_MUL=silu_mul,
+                       ROPE=rope is not None, HALF=half, num_warps=t.num_warps, num_stages=t.num_stages,
+                       # the rotary's products and sums round one by one, as in rotary._rope_heads: in 16
+                       # bits the compiler would otherwise narrow them to half-precision FMAs
+                       enable_fp_fusion=rope is None, **pdl.launch(x.device, env=PDL))
     return y
 
 
@@ -141,7 +217,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias: [N] or None; all one float16/bfloat16 dtype on one device. `tiles`: the launch
     shape (default `tiles_for`; benchmarks pass others)."""
     _check("linear", x, weight, bias)
-    return _launch(x, weight, bias, tiles, silu_mul=False)
+    return _launch(x, weight, bias, tiles)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -156,3 +232,39 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"skinny.linear_silu_mul: tiles.block_n must be even (gate and up rows in pairs), "
                          f"got {tiles.block_n}")
     return _launch(x, weight, bias, tiles, silu_mul=True)
+
+
+def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: RopeKV,
+                   tiles: Tiles | None = None) -> torch.Tensor:
+    """The qkv projection of one token with the rotary and the KV store as its epilogue, in one
+    launch: linear(x, weight, bias) -> [1, (H + 2 Hkv) D] with q's and k's heads rotated at
+    rope.positions (rotary.rotary_embedding's result, bit for bit) and v's as they are, and
+    the rotated k and v also written to rope.k_cache / v_cache at rope.slots (what the rotary
+    with a store does). weight's rows are q's heads, then k's, then v's, D = 2 * the tables'
+    width each. Positions and slots are not bounds-checked (a device sync). Tiles need an even
+    block_n."""
+    _check("linear_rope_kv", x, weight, bias)
+    half = rope.cos.shape[1] if rope.cos.dim() == 2 else 0
+    n_heads = rope.n_q_heads + 2 * rope.n_kv_heads
+    if half < 1 or rope.sin.shape != rope.cos.shape or rope.cos.stride(0) != rope.sin.stride(0) \
+            or rope.cos.stride(1) != 1 or rope.cos.dtype != torch.float32 or rope.sin.dtype != torch.float32 \
+            or rope.cos.device != x.device or rope.sin.device != x.device:
+        raise ValueError(f"skinny.linear_rope_kv: cos/sin must be fp32 [max_pos, D/2] with one row stride on "
+                         f"{x.device}, got {tuple(rope.cos.shape)} {rope.cos.dtype} and {tuple(rope.sin.shape)} "
+                         f"{rope.sin.dtype} on {rope.cos.device}")
+    if rope.n_q_heads < 1 or rope.n_kv_heads < 1 or weight.shape[0] != n_heads * 2 * half:
+        raise ValueError(f"skinny.linear_rope_kv: weight has {weight.shape[0]} rows, expected "
+                         f"({rope.n_q_heads} + 2 x {rope.n_kv_heads}) heads x {2 * half}")
+    cache_shape = (rope.n_kv_heads, 2 * half)
+    for name, c in (("k_cache", rope.k_cache), ("v_cache", rope.v_cache)):
+        if c.dim() != 3 or tuple(c.shape[1:]) != cache_shape or c.stride(2) != 1 or c.device != x.device:
+            raise ValueError(f"skinny.linear_rope_kv: {name} must be [num_slots, {cache_shape[0]}, {cache_shape[1]}] "
+                             f"contiguous in its last dim on {x.device}, got {tuple(c.shape)} on {c.device}")
+    for name, v in (("positions", rope.positions), ("slots", rope.slots)):
+        if v.shape != (1,) or v.dtype not in (torch.int32, torch.int64) or v.device != x.device:
+            raise ValueError(f"skinny.linear_rope_kv: {name} must be int [1] on {x.device}, got {v.dtype} "
+                             f"{tuple(v.shape)} on {v.device}")
+    if tiles is not None and tiles.block_n % 2:
+        raise ValueError(f"skinny.linear_rope_kv: tiles.block_n must be even (a head's two halves in pairs), "
+                         f"got {tiles.block_n}")
+    return _launch(x, weight, bias, tiles, rope=rope)

@@ -188,20 +188,30 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
+                v.reshape(t, self.num_kv_heads, self.head_dim))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, o_proj's deferred adapter delta or None): the caller's norm adds the delta."""
         t = x.shape[0]
-        # q/k norms come before the rotary: a delta there is added by the projection itself
-        qkv, delta = self.qkv_proj.forward_deferred(x, defer=self.q_norm is None)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         kv = backend.kv_target(self.layer_id)  # the rotary stores K/V, in its own launch on GPU
-        q, k = rotary(positions, q, k, v=v, delta=delta, kv=kv)
+        proj = self.qkv_proj
+        # batch 1 on GPU: the rotary and the K/V store as the qkv GEMV's epilogue
+        qkv = kernels.linear_rope_kv(x, proj.weight, proj.bias, rotary.cos, rotary.sin, positions, kv, self.num_heads,
+                                     self.num_kv_heads) if proj.foldable and self.q_norm is None else None
+        if qkv is not None:
+            q, k, v = self._heads(qkv)
+        else:
+            # q/k norms come before the rotary: a delta there is added by the projection itself
+            qkv, delta = proj.forward_deferred(x, defer=self.q_norm is None)
+            q, k, v = self._heads(qkv)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary(positions, q, k, v=v, delta=delta, kv=kv)
         o = backend.forward(q, k, v, self.layer_id, stored=kv is not None)  # [T, H, D]
         # row-parallel: each rank's delta is a partial sum the all-reduce must carry
         out, delta = self.o_proj.forward_deferred(o.reshape(t, self.q_size), defer=self.tp.size == 1)

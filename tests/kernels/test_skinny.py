@@ -218,3 +218,144 @@ def test_the_mlp_runs_silu_mul_in_the_gate_up_gemv(spy, monkeypatch):
     assert run(x)[1] == ["silu_and_mul"]  # two rows: cuBLAS (here the CPU's matmul), then the kernel
     mlp.gate_up_proj.lora = _NoDelta()
     assert run(x[:1])[1] == ["silu_and_mul"]
+
+
+# ----------------------------------------- the rotary and the K/V store as qkv's epilogue
+
+# (q heads, kv heads, head_dim, K): GQA, a head count whose pairs the tiles do not divide and
+# an odd half head, MHA, a head wider than a program's pairs; K tails
+ROPE_SHAPES = [(4, 2, 8, 40), (3, 1, 6, 33), (2, 2, 4, 16), (2, 1, 16, 72)]
+SLOTS = 9
+
+
+def _rope_case(n_q: int, n_kv: int, d: int, k: int, dtype: torch.dtype, bias: bool, seed: int):
+    x, w, b = _case(1, (n_q + 2 * n_kv) * d, k, dtype, bias, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    freqs = torch.outer(torch.arange(48).float(), torch.rand(d // 2, generator=g) + 0.1)
+    caches = torch.randn(2, SLOTS, n_kv, d, generator=g).to(DEVICE, dtype)
+    return x, w, b, freqs.cos().to(DEVICE), freqs.sin().to(DEVICE), caches
+
+
+def _ints(v: int, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor([v], dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("n_q,n_kv,d,k", ROPE_SHAPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_rope_kv_epilogue_is_the_gemv_then_the_rotary_with_its_store(n_q, n_kv, d, k, bias):
+    """linear_rope_kv = skinny.linear, then rotary.rotary_embedding storing k and v, bit for bit:
+    the same qkv row (q and k rotated, v as it is) and the same caches, where nothing but the
+    token's slot is written."""
+    from rollout.kernels import rotary
+
+    for dtype in DTYPES:
+        x, w, b, cos, sin, caches = _rope_case(n_q, n_kv, d, k, dtype, bias, seed=n_q * d + k)
+        for tiles in SMALL + [skinny.Tiles(2, 32, 1)] + ([None] if GPU else []):
+            for pos, slot, int_dtype in ((0, 0, torch.int64), (47, SLOTS - 1, torch.int32)):
+                kc, vc = caches[0].clone(), caches[1].clone()
+                rope = skinny.RopeKV(cos, sin, _ints(pos, int_dtype), kc, vc, _ints(slot, int_dtype), n_q, n_kv)
+                y = skinny.linear_rope_kv(x, w, b, rope, tiles=tiles)
+                qkv = skinny.linear(x, w, b, tiles=tiles)
+                q, kk, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+                ref_kc, ref_vc = caches[0].clone(), caches[1].clone()
+                q, kk = rotary.rotary_embedding(q.view(1, n_q, d), kk.view(1, n_kv, d), cos, sin, _ints(pos),
+                                                v=v.view(1, n_kv, d), k_cache=ref_kc, v_cache=ref_vc,
+                                                slots=_ints(slot))
+                case = (dtype, tiles, pos, slot)
+                assert y.shape == qkv.shape and torch.equal(y, torch.cat([q.flatten(), kk.flatten(), v.flatten()]).view(1, -1)), case
+                assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc), case
+                others = torch.arange(SLOTS, device=DEVICE) != slot
+                assert torch.equal(kc[others], caches[0][others]) and torch.equal(vc[others], caches[1][others]), case
+
+
+def test_rope_kv_epilogue_refuses_bad_input():
+    x, w, b, cos, sin, caches = _rope_case(4, 2, 8, 40, torch.float16, False, seed=3)
+    kc, vc = caches[0].clone(), caches[1].clone()
+
+    def rope(**kw):
+        args = dict(cos=cos, sin=sin, positions=_ints(3), k_cache=kc, v_cache=vc, slots=_ints(1), n_q_heads=4,
+                    n_kv_heads=2)
+        return skinny.RopeKV(**{**args, **kw})
+
+    for bad, match in [
+        (dict(n_kv_heads=3), "rows, expected"),
+        (dict(cos=cos.half()), "fp32"),
+        (dict(sin=sin[:, :2]), "fp32"),
+        (dict(k_cache=kc[:, :1]), "k_cache must be"),
+        (dict(v_cache=vc.transpose(1, 2)), "v_cache must be"),
+        (dict(positions=_ints(3).repeat(2)), "positions must be int"),
+        (dict(slots=_ints(1).float()), "slots must be int"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            skinny.linear_rope_kv(x, w, b, rope(**bad))
+    with pytest.raises(ValueError, match="block_n must be even"):
+        skinny.linear_rope_kv(x, w, b, rope(), tiles=skinny.Tiles(3, 32, 1))
+    with pytest.raises(ValueError, match="2 rows"):
+        skinny.linear_rope_kv(torch.cat([x, x]), w, b, rope())
+    assert torch.equal(kc, caches[0]) and torch.equal(vc, caches[1])  # a refused call writes nothing
+
+
+class _PoolBackend:
+    """A stand-in attention backend with a KV pool: the rotary (or qkv's epilogue) stores the
+    step's K/V at `slots`; forward returns q (what attention reads is the pool, checked apart)."""
+
+    def __init__(self, n_kv: int, d: int, dtype: torch.dtype, rows: int) -> None:
+        from rollout.cache.kv_pool import KVTarget
+
+        g = torch.Generator().manual_seed(5)
+        caches = torch.randn(2, SLOTS, n_kv, d, generator=g).to(DEVICE, dtype)
+        self.target = KVTarget(caches[0], caches[1], torch.arange(3, 3 + rows, device=DEVICE))
+        self.stored: list[bool] = []
+
+    def kv_target(self, layer_id: int):
+        return self.target
+
+    def forward(self, q, k, v, layer_id, stored=False):
+        assert stored
+        self.stored.append(stored)
+        return q
+
+
+def test_attention_runs_the_rotary_in_the_qkv_gemv(spy, monkeypatch):
+    """A tiny fp16 model's attention at one row: no rotary launch, qkv's epilogue instead, with
+    the same output and the same pool; not for two rows, with an adapter on qkv, with q/k norms
+    (Qwen3: they come between the projection and the rotary), or with the switch off."""
+    from rollout.kernels import rotary
+    from rollout.model.build import build_model, init_random_weights
+    from rollout.model.config import ModelConfig
+    from rollout.model.shapes import SHAPES as MODEL_SHAPES
+
+    monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
+    cfg = ModelConfig.from_dict(MODEL_SHAPES["tiny"])
+    model = build_model(cfg, 64, torch.float16, torch.device(DEVICE))
+    init_random_weights(model, seed=0)
+    attn = model.layers[0].self_attn
+    launched: list[str] = []
+    for mod, name in ((rotary, "rotary_embedding"), (skinny, "linear_rope_kv")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: launched.append(_n) or _r(*a, **kw))
+    x = _case(2, 8, cfg.hidden_size, torch.float16, False, seed=7)[0]
+    positions = torch.tensor([11, 12], device=DEVICE)
+
+    def run(rows: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[str]]:
+        launched.clear()
+        backend = _PoolBackend(attn.num_kv_heads, attn.head_dim, torch.float16, rows)
+        with torch.inference_mode():
+            out, delta = attn(x[:rows], positions[:rows], model.rotary, backend)
+        assert delta is None and backend.stored == [True]
+        return out, (backend.target.k_cache, backend.target.v_cache), list(launched)
+
+    out, pool, kernels_run = run(1)
+    assert kernels_run == ["linear_rope_kv"]
+    monkeypatch.setattr(kernels, "rope_epilogue", False)
+    ref, ref_pool, kernels_run = run(1)
+    assert kernels_run == ["rotary_embedding"] and torch.equal(out, ref)
+    assert torch.equal(pool[0], ref_pool[0]) and torch.equal(pool[1], ref_pool[1])
+    monkeypatch.setattr(kernels, "rope_epilogue", True)
+    assert run(2)[2] == ["rotary_embedding"]  # two rows: the matmul, then the rotary
+    attn.qkv_proj.lora = _NoDelta()
+    assert run(1)[2] == ["rotary_embedding"]
+    attn.qkv_proj.lora = None
+    attn.q_norm = attn.k_norm = model.layers[0].input_layernorm.__class__(attn.head_dim, 1e-6).to(DEVICE, torch.float16)
+    assert run(1)[2] == ["rotary_embedding"]
+
