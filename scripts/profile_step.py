@@ -61,7 +61,7 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     names = load_adapters(engine, SHAPES[args.shape], args.lora)
     if args.prefill:
-        return profile_prefill(engine, args, vocab, sync)
+        return profile_prefill(engine, args, vocab, sync, names)
     prompts = torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -114,16 +114,17 @@ def load_adapters(engine, cfg: dict, count: int) -> list[str]:
     return names
 
 
-def profile_prefill(engine, args, vocab: int, sync) -> None:
-    """Time and profile the steps that prefill `batch` prompts (one new token each)."""
+def profile_prefill(engine, args, vocab: int, sync, names: list[str]) -> None:
+    """Time and profile the steps that prefill `batch` prompts (one new token each), spread
+    over the adapters `names` (none: the base model)."""
     from rollout import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
 
     def prefill_all() -> int:
         engine.flush_cache()  # no prefix hits: every prompt token is computed
-        for p in torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist():
-            engine.add_request(p, params)
+        for i, p in enumerate(torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()):
+            engine.add_request(p, params, lora_name=names[i % len(names)] if names else None)
         steps = 0
         while engine.has_unfinished():
             engine.step()
