@@ -86,6 +86,11 @@ class LoraHook:
                     max_rank=self.pool.max_rank)
         return Deferred(delta)
 
+    @property
+    def concurrent(self) -> bool:
+        """Do this step's adapter kernels run on the side stream, beside the base matmul?"""
+        return self.pool.concurrent
+
     def finish(self, pending: torch.Tensor | Deferred | None, out: torch.Tensor) -> torch.Tensor | None:
         """Add the deltas to out [T, out] (the base projection's result) in place; or, for a
         deferred begin(), join the side stream and return the fp32 delta for the caller to

@@ -359,3 +359,37 @@ def test_attention_runs_the_rotary_in_the_qkv_gemv(spy, monkeypatch):
     attn.q_norm = attn.k_norm = model.layers[0].input_layernorm.__class__(attn.head_dim, 1e-6).to(DEVICE, torch.float16)
     assert run(1)[2] == ["rotary_embedding"]
 
+
+class _AdapterBeside:
+    """An adapter hook whose begin() launched work that (concurrent) runs beside the matmul."""
+
+    def __init__(self, concurrent: bool) -> None:
+        self.concurrent = concurrent
+
+    def begin(self, x, defer):
+        return "pending"
+
+    def finish(self, pending, out):
+        assert pending == "pending"
+        return None
+
+
+def test_a_projection_leaves_the_sms_to_adapter_kernels_beside_it(spy):
+    """One row with an adapter's kernels on the side stream: cuBLAS (F.linear), not the skinny
+    GEMV, which would hold every SM until it is done; in order (or with no adapter in the step),
+    the skinny GEMV. The same output either way, within the matmuls' rounding."""
+    from rollout.model.llama import Linear
+
+    x, w, b = _case(1, 24, 64, torch.float16, True)
+    proj = Linear(64, 24, bias=True).to(DEVICE, torch.float16)
+    with torch.no_grad():
+        proj.weight.copy_(w)
+        proj.bias.copy_(b)
+    proj.lora = _AdapterBeside(concurrent=True)
+    _check(proj(x), x, w, b)
+    assert spy == []
+    proj.lora = _AdapterBeside(concurrent=False)
+    _check(proj(x), x, w, b)
+    proj.lora = _NoDelta()  # begin() found no adapter in the step
+    _check(proj(x), x, w, b)
+    assert spy == [1, 1]
