@@ -156,7 +156,12 @@ def _rope_kv_epilogue(y, y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_
     tl.store(vc_ptr + v_off + HALF, o2.to(vc_ptr.dtype.element_ty), mask=is_v)
 
 
-def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           tiles: Tiles | None = None, pairs: str | None = None) -> None:
+    """`pairs`: the epilogue's programs hold rows in pairs (what they pair, for the error), so
+    tiles need an even block_n."""
+    if pairs is not None and tiles is not None and tiles.block_n % 2:
+        raise ValueError(f"skinny.{name}: tiles.block_n must be even ({pairs} in pairs), got {tiles.block_n}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny.{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
     m, k = x.shape
@@ -224,13 +229,10 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     tiles: Tiles | None = None) -> torch.Tensor:
     """fused.silu_and_mul(linear(x, weight, bias)) in one launch: weight [2I, K] is gate's rows
     then up's (the fused gate_up projection), the result [1, I]. Tiles need an even block_n."""
-    _check("linear_silu_mul", x, weight, bias)
+    _check("linear_silu_mul", x, weight, bias, tiles, pairs="gate and up rows")
     if weight.shape[0] % 2:
         raise ValueError(f"skinny.linear_silu_mul: weight must have an even number of rows (gate | up), "
                          f"got {weight.shape[0]}")
-    if tiles is not None and tiles.block_n % 2:
-        raise ValueError(f"skinny.linear_silu_mul: tiles.block_n must be even (gate and up rows in pairs), "
-                         f"got {tiles.block_n}")
     return _launch(x, weight, bias, tiles, silu_mul=True)
 
 
@@ -243,7 +245,7 @@ def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     with a store does). weight's rows are q's heads, then k's, then v's, D = 2 * the tables'
     width each. Positions and slots are not bounds-checked (a device sync). Tiles need an even
     block_n."""
-    _check("linear_rope_kv", x, weight, bias)
+    _check("linear_rope_kv", x, weight, bias, tiles, pairs="a head's two halves")
     half = rope.cos.shape[1] if rope.cos.dim() == 2 else 0
     n_heads = rope.n_q_heads + 2 * rope.n_kv_heads
     if half < 1 or rope.sin.shape != rope.cos.shape or rope.cos.stride(0) != rope.sin.stride(0) \
@@ -264,7 +266,4 @@ def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         if v.shape != (1,) or v.dtype not in (torch.int32, torch.int64) or v.device != x.device:
             raise ValueError(f"skinny.linear_rope_kv: {name} must be int [1] on {x.device}, got {v.dtype} "
                              f"{tuple(v.shape)} on {v.device}")
-    if tiles is not None and tiles.block_n % 2:
-        raise ValueError(f"skinny.linear_rope_kv: tiles.block_n must be even (a head's two halves in pairs), "
-                         f"got {tiles.block_n}")
     return _launch(x, weight, bias, tiles, rope=rope)
