@@ -182,11 +182,9 @@ class _NoDelta:
         return None
 
 
-def test_the_mlp_runs_silu_mul_in_the_gate_up_gemv(spy, monkeypatch):
-    """A tiny fp16 model's MLP at one row: no SiLU-mul launch, the gate_up GEMV's epilogue
-    instead, and the same output as the two kernels apart; not with an adapter on gate_up (its
-    delta is added to gate_up before SiLU), nor for two rows or with the switch off."""
-    from rollout.kernels import fused
+def _tiny_fp16_layer(monkeypatch, watched) -> tuple:
+    """(the tiny model in fp16 with interpreter-sized GEMV tiles, its layer 0, its config, the
+    list that each call of the `watched` (module, name) kernels appends its name to)."""
     from rollout.model.build import build_model, init_random_weights
     from rollout.model.config import ModelConfig
     from rollout.model.shapes import SHAPES as MODEL_SHAPES
@@ -195,11 +193,21 @@ def test_the_mlp_runs_silu_mul_in_the_gate_up_gemv(spy, monkeypatch):
     cfg = ModelConfig.from_dict(MODEL_SHAPES["tiny"])
     model = build_model(cfg, 64, torch.float16, torch.device(DEVICE))
     init_random_weights(model, seed=0)
-    mlp = model.layers[0].mlp
     launched: list[str] = []
-    for mod, name in ((fused, "silu_and_mul"), (skinny, "linear_silu_mul")):
+    for mod, name in watched:
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: launched.append(_n) or _r(*a, **kw))
+    return model, model.layers[0], cfg, launched
+
+
+def test_the_mlp_runs_silu_mul_in_the_gate_up_gemv(spy, monkeypatch):
+    """A tiny fp16 model's MLP at one row: no SiLU-mul launch, the gate_up GEMV's epilogue
+    instead, and the same output as the two kernels apart; not with an adapter on gate_up (its
+    delta is added to gate_up before SiLU), nor for two rows or with the switch off."""
+    from rollout.kernels import fused
+
+    _, layer, cfg, launched = _tiny_fp16_layer(monkeypatch, ((fused, "silu_and_mul"), (skinny, "linear_silu_mul")))
+    mlp = layer.mlp
     x = _case(2, 8, cfg.hidden_size, torch.float16, False, seed=7)[0]
 
     def run(rows: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
@@ -321,19 +329,10 @@ def test_attention_runs_the_rotary_in_the_qkv_gemv(spy, monkeypatch):
     the same output and the same pool; not for two rows, with an adapter on qkv, with q/k norms
     (Qwen3: they come between the projection and the rotary), or with the switch off."""
     from rollout.kernels import rotary
-    from rollout.model.build import build_model, init_random_weights
-    from rollout.model.config import ModelConfig
-    from rollout.model.shapes import SHAPES as MODEL_SHAPES
 
-    monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
-    cfg = ModelConfig.from_dict(MODEL_SHAPES["tiny"])
-    model = build_model(cfg, 64, torch.float16, torch.device(DEVICE))
-    init_random_weights(model, seed=0)
-    attn = model.layers[0].self_attn
-    launched: list[str] = []
-    for mod, name in ((rotary, "rotary_embedding"), (skinny, "linear_rope_kv")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: launched.append(_n) or _r(*a, **kw))
+    model, layer, cfg, launched = _tiny_fp16_layer(monkeypatch, ((rotary, "rotary_embedding"),
+                                                                 (skinny, "linear_rope_kv")))
+    attn = layer.self_attn
     x = _case(2, 8, cfg.hidden_size, torch.float16, False, seed=7)[0]
     positions = torch.tensor([11, 12], device=DEVICE)
 
@@ -356,7 +355,7 @@ def test_attention_runs_the_rotary_in_the_qkv_gemv(spy, monkeypatch):
     attn.qkv_proj.lora = _NoDelta()
     assert run(1)[2] == ["rotary_embedding"]
     attn.qkv_proj.lora = None
-    attn.q_norm = attn.k_norm = model.layers[0].input_layernorm.__class__(attn.head_dim, 1e-6).to(DEVICE, torch.float16)
+    attn.q_norm = attn.k_norm = layer.input_layernorm.__class__(attn.head_dim, 1e-6).to(DEVICE, torch.float16)
     assert run(1)[2] == ["rotary_embedding"]
 
 
