@@ -32,6 +32,7 @@ import time
 import torch
 
 from rollout.bench.compiles import CompileRecord, triton_compiles
+from rollout.bench.steady import split_steps
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -185,6 +186,12 @@ def gpu(args) -> None:
                 results[key] = toks / secs
                 print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token; "
                       f"{compiled.summary()}) [{time.perf_counter() - t0:.0f} s]", flush=True)
+            if args.split and workload == "a":
+                for what, lora_names in variants:
+                    engine.flush_cache()
+                    for i, prompt in enumerate(work):
+                        engine.add_request(prompt, new, lora_name=lora_names[i] if lora_names else None)
+                    print(f"{workload} [{label}] {what}, step by step: {split_steps(engine).summary()}", flush=True)
         del engine
         gc.collect()
         if device.type == "cuda":
@@ -288,6 +295,9 @@ def main() -> None:
     parser.add_argument("--in-place-peer", action="store_true",
                         help="also run a LoRA engine without deferred deltas (lora/hook.py), in the same run")
     parser.add_argument("--mem-fraction", type=float, default=0.6)
+    parser.add_argument("--split", action="store_true",
+                        help="after the timed rows of a, each variant once more step by step: its wall time split "
+                             "into decode-graph steps and the rest (prefill, mixed steps)")
     parser.add_argument("--cpu", action="store_true", help="SmolLM2 against peft on the CPU")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the GPU rows (with --shape tiny)")
     parser.add_argument("--prompts", type=int, default=6)
