@@ -295,6 +295,9 @@ def main() -> None:
     parser.add_argument("--in-place-peer", action="store_true",
                         help="also run a LoRA engine without deferred deltas (lora/hook.py), in the same run")
     parser.add_argument("--mem-fraction", type=float, default=0.6)
+    parser.add_argument("--beside", default=None, choices=("cublas", "skinny", "skinny-late"),
+                        help="the matmul of a batch-1 projection whose adapter kernels run on the side stream "
+                             "(rollout.kernels.lora_beside_matmul; default: the engine's)")
     parser.add_argument("--split", action="store_true",
                         help="after the timed rows of a, each variant once more step by step: its wall time split "
                              "into decode-graph steps and the rest (prefill, mixed steps)")
@@ -303,6 +306,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new", type=int, default=24)
     args = parser.parse_args()
+    if args.beside:
+        from rollout import kernels
+
+        kernels.lora_beside_matmul = args.beside  # read as the decode graphs are captured
     cpu(args) if args.cpu else gpu(args)
 
 

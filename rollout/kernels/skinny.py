@@ -192,7 +192,7 @@ class RopeKV:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles | None,
-            silu_mul: bool = False, rope: RopeKV | None = None) -> torch.Tensor:
+            silu_mul: bool = False, rope: RopeKV | None = None, early: bool = True) -> torch.Tensor:
     n, k = weight.shape
     t = tiles or tiles_for(n, k)
     y = torch.empty(1, n // 2 if silu_mul else n, device=x.device, dtype=x.dtype)
@@ -210,19 +210,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
                        ROPE=rope is not None, HALF=half, num_warps=t.num_warps, num_stages=t.num_stages,
                        # the rotary's products and sums round one by one, as in rotary._rope_heads: in 16
                        # bits the compiler would otherwise narrow them to half-precision FMAs
-                       enable_fp_fusion=rope is None, **pdl.launch(x.device, env=PDL))
+                       enable_fp_fusion=rope is None,
+                       **pdl.launch(x.device, env=PDL if early else False))
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tiles | None = None) -> torch.Tensor:
+           tiles: Tiles | None = None, early: bool = True) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row: x [1, K] @ weight [N, K]^T -> [1, N].
 
     x: [1, K], contiguous in its last dim; weight: contiguous [N, K];
     bias: [N] or None; all one float16/bfloat16 dtype on one device. `tiles`: the launch
-    shape (default `tiles_for`; benchmarks pass others)."""
+    shape (default `tiles_for`; benchmarks pass others). `early=False`: no PDL for this
+    launch (it starts once the kernel before it is done); True: where `PDL` allows."""
     _check("linear", x, weight, bias)
-    return _launch(x, weight, bias, tiles)
+    return _launch(x, weight, bias, tiles, early=early)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -168,10 +168,9 @@ class Linear(nn.Module):
         pending = lora.begin(x, defer)  # launched before the matmul, so it can overlap it
         matmul = self.matmul
         if pending is not None and matmul is kernels.linear and lora.concurrent:
-            # cuBLAS, not the skinny GEMV: the GEMV's thousands of programs take every SM, so the
-            # adapter's kernels on the side stream waited for it instead of running beside it
-            # (batch 1, one adapter, Llama-3.1-8B on an H200: 5.56 ms a step, 4.98 with cuBLAS)
-            matmul = F.linear
+            # not the early-launched skinny GEMV by default: its thousands of programs took every
+            # SM, so the adapter's kernels on the side stream waited for it (kernels.linear_beside)
+            matmul = kernels.linear_beside
         y = matmul(x, self.weight, self.bias)
         return y, lora.finish(pending, y)
 

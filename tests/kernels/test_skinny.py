@@ -373,10 +373,11 @@ class _AdapterBeside:
         return None
 
 
-def test_a_projection_leaves_the_sms_to_adapter_kernels_beside_it(spy):
-    """One row with an adapter's kernels on the side stream: cuBLAS (F.linear), not the skinny
-    GEMV, which would hold every SM until it is done; in order (or with no adapter in the step),
-    the skinny GEMV. The same output either way, within the matmuls' rounding."""
+def test_a_projection_leaves_the_sms_to_adapter_kernels_beside_it(spy, monkeypatch):
+    """One row with an adapter's kernels on the side stream: cuBLAS (F.linear) by default, not
+    the skinny GEMV, which launched early would hold every SM first; `lora_beside_matmul` picks
+    the GEMV (early or not) instead. In order, or with no adapter in the step: the GEMV as
+    always. The same output every way, within the matmuls' rounding."""
     from rollout.model.llama import Linear
 
     x, w, b = _case(1, 24, 64, torch.float16, True)
@@ -384,9 +385,22 @@ def test_a_projection_leaves_the_sms_to_adapter_kernels_beside_it(spy):
     with torch.no_grad():
         proj.weight.copy_(w)
         proj.bias.copy_(b)
+    early: list[bool] = []
+    real = skinny._launch
+    monkeypatch.setattr(skinny, "_launch", lambda *a, **kw: early.append(kw.get("early", True)) or real(*a, **kw))
     proj.lora = _AdapterBeside(concurrent=True)
     _check(proj(x), x, w, b)
     assert spy == []
+    for choice, launched_early in (("skinny", True), ("skinny-late", False)):
+        monkeypatch.setattr(kernels, "lora_beside_matmul", choice)
+        early.clear()
+        _check(proj(x), x, w, b)
+        assert early == [launched_early], choice
+    monkeypatch.setattr(kernels, "lora_beside_matmul", "nope")
+    with pytest.raises(ValueError, match="lora_beside_matmul='nope'"):
+        proj(x)
+    monkeypatch.setattr(kernels, "lora_beside_matmul", "cublas")
+    spy.clear()
     proj.lora = _AdapterBeside(concurrent=False)
     _check(proj(x), x, w, b)
     proj.lora = _NoDelta()  # begin() found no adapter in the step
