@@ -1,7 +1,7 @@
 """Batch-1 decode, variant against variant in one process: wall per step, the device's
 span per step (CUDA events) and the host phases, with the engine of bench_rollout (b).
 
-A variant is attention:matmul:pdl[:kv[:silu[:rope]]], e.g. `auto:skinny:pdl` (the default engine) or
+A variant is attention:matmul:pdl[:kv[:silu[:rope]]], e.g. `auto:skinny:pdl` (the default engine), or
 `flashinfer:cublas:nopdl` (the engine before issue #16's batch-1 work): the attention
 backend, the one-row matmul (the skinny kernel or cuBLAS, rollout.kernels.skinny_matmul),
 programmatic dependent launch on or off (rollout.kernels.pdl.ENV) or `pdl-mm` (for the
@@ -10,9 +10,9 @@ new K/V are stored: `rotary` (default: in the rotary's launch) or `store` (a lau
 own, rollout.attention.base.FUSED_KV_STORE), and SiLU-mul as the gate_up GEMV's epilogue:
 `silu` (default) or `nosilu` (its own kernel, rollout.kernels.silu_epilogue), and the rotary with the
 K/V store as the qkv GEMV's epilogue: `rope` (default) or `norope` (the rotary's own launch,
-rollout.kernels.rope_epilogue). `auto:skinny:pdl-mm:store:nosilu:norope` is session 6's engine,
-`auto:skinny:pdl:rotary:silu:norope` session 7's. Each variant is its own engine, built after the previous one is gone; repeat one to
-see the drift of a call.
+rollout.kernels.rope_epilogue); rollout.bench.switches sets them. `auto:skinny:pdl-mm:store:nosilu:norope`
+is session 6's engine, `auto:skinny:pdl:rotary:silu:norope` session 7's. Each variant is its own
+engine, built after the previous one is gone; repeat one to see the drift of a call.
 
     python -m scripts.bench_batch1 [--variants auto:skinny:pdl auto:skinny:pdl-mm:store auto:skinny:pdl]
     python -m scripts.bench_batch1 --device cpu --shape tiny --steps 8   # smoke run (no device span)
@@ -38,10 +38,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
 
-    from rollout import Engine, EngineConfig, SamplingParams, kernels
-    from rollout.attention import base, triton_kernels
+    from rollout import Engine, EngineConfig, SamplingParams
     from rollout.bench.steady import PhaseTimer, run_to_decode
-    from rollout.kernels import pdl, rotary
+    from rollout.bench.switches import set_batch1_kernels
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     cuda = args.device.startswith("cuda")
@@ -55,12 +54,8 @@ def main() -> None:
                 or silu not in ("silu", "nosilu") or rope not in ("rope", "norope"):
             raise SystemExit(f"variant {variant!r}: expected "
                              "attention:skinny|cublas:pdl|nopdl|pdl-mm[:rotary|store[:silu|nosilu[:rope|norope]]]")
-        kernels.silu_epilogue = silu == "silu"
-        kernels.rope_epilogue = rope == "rope"
-        kernels.skinny_matmul = matmul == "skinny"  # read as the engine captures its graphs
-        pdl.ENV = launch != "nopdl"
-        rotary.PDL = triton_kernels.PDL = False if launch == "pdl-mm" else None
-        base.FUSED_KV_STORE = kv == "rotary"
+        set_batch1_kernels(skinny=matmul == "skinny", pdl=launch != "nopdl", late_pdl=launch != "pdl-mm",
+                           kv_in_rotary=kv == "rotary", silu=silu == "silu", rope=rope == "rope")
         engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device,
                                      load_format="dummy", page_size=16, gpu_memory_fraction=0.6, attention=attention,
                                      max_running_requests=512, max_prefill_tokens=8192,

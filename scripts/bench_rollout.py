@@ -210,9 +210,8 @@ def main() -> None:
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
     args = parser.parse_args()
 
-    from rollout import Engine, EngineConfig, SamplingParams, kernels
-    from rollout.attention import base, triton_kernels
-    from rollout.kernels import rotary
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.bench.switches import set_batch1_kernels
 
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
@@ -314,12 +313,8 @@ def main() -> None:
     runs = [(*run, skinny, rs, silu, rope) for rs in args.rotary_store for silu in args.silu_epilogue
             for rope in args.rope_epilogue for skinny in args.skinny for run in runs]
     for attention, overlap, deterministic, skinny, rotary_store, silu, rope in runs:
-        kernels.silu_epilogue = silu == "on"
-        kernels.rope_epilogue = rope == "on"
-        # read as the engine captures its graphs and for every eager step: kept until it is done
-        kernels.skinny_matmul = skinny == "on"
-        base.FUSED_KV_STORE = rotary_store == "on"
-        rotary.PDL = triton_kernels.PDL = None if rotary_store == "on" else False
+        set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
+                           silu=silu == "on", rope=rope == "on")
         try:
             engine = engine_for(attention, overlap, deterministic=deterministic)
         except Exception:

@@ -114,10 +114,8 @@ class Rotary(nn.Module):
         if kv is not None and v is None:
             raise ValueError("storing K/V needs v")
         if kernels.use_fused(q):  # GPU: one launch for q and k (and v's delta, the KV store), cos/sin gathered in-kernel
-            if kv is None:
-                return kernels.rotary.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta)
-            return kernels.rotary.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta,
-                                                  k_cache=kv.k_cache, v_cache=kv.v_cache, slots=kv.slots)
+            store = {} if kv is None else dict(k_cache=kv.k_cache, v_cache=kv.v_cache, slots=kv.slots)
+            return kernels.rotary.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta, **store)
         if delta is not None:
             assert v is not None, "a qkv delta needs v"
             dq, dk, dv = delta.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
