@@ -28,6 +28,16 @@ GEMM. The consumer computes round(y + delta) exactly as the in-place expand's
 round(y + acc) (the delta is acc, summed onto an fp32 zero), so both paths are bit-equal.
 At large batches the fp32 delta's extra traffic would cost more than a launch saves, so
 only up to `LoraPool.defer_max_rows` rows defer; the rest expand in place as before.
+
+One row (`one_row`, a batch-1 step on the skinny GEMV): neither half runs apart. The side
+stream lost there: the GEMV's thousands of programs, launched early under PDL, took every SM
+before the shrink could start (5.56 ms a Llama-3-8B step with one adapter against 4.03
+without, BENCHMARKS.md multi-LoRA "session 8"). Instead the shrink is one small kernel on
+the main stream (lora/kernels/row.py) and the expand is the GEMV's epilogue
+(rollout/kernels/low_rank.py), so the projection stays one launch plus the shrink, and the
+epilogues after it (SiLU-mul, the rotary with the K/V store) still fold in: 4.47 ms a step
+with one adapter against 4.07 without (BENCHMARKS.md, "session 9"). (The shrink as the GEMV's
+own first programs, the others waiting for them, was measured and dropped: 4.89 ms.)
 """
 
 from __future__ import annotations
@@ -37,7 +47,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lora.ops import sgmv_expand, sgmv_shrink
+from lora.ops import sgmv_expand, sgmv_shrink, shrink_row, use_triton
+from rollout.kernels.low_rank import LowRank, OneRow
 
 if TYPE_CHECKING:
     from lora.pool import LoraPool
@@ -85,6 +96,19 @@ class LoraHook:
         sgmv_expand(self._shrink(x, args), self.pool.b[self.key], delta, *args, slice_offsets=self.slice_offsets,
                     max_rank=self.pool.max_rank)
         return Deferred(delta)
+
+    def one_row(self, x: torch.Tensor) -> OneRow | None:
+        """The adapter's term for the base GEMV's epilogue when x is one row (the caller runs
+        the matmul as the skinny GEMV: `kernels.one_row`), its shrink launched here; OneRow(None)
+        when no adapter runs this step; None when the halves run apart (begin / finish)."""
+        pool, batch = self.pool, self.pool.batch
+        if batch is None:
+            return OneRow(None)
+        if x.shape[0] != 1 or not pool.one_row_epilogue or not use_triton(x):
+            return None
+        slot = batch.seg_slots[:1]  # one row: its slot is the first segment's (-1: a base request)
+        h = shrink_row(x, pool.a[self.key], slot, pool.slot_ranks, num_slices=self.num_slices, max_rank=pool.max_rank)
+        return OneRow(LowRank(h, pool.b[self.key], slot, pool.slot_ranks, self.slice_offsets, pool.max_rank))
 
     @property
     def concurrent(self) -> bool:

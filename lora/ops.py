@@ -47,7 +47,8 @@ import torch
 
 from lora.kernels import MAX_SLICES
 
-__all__ = ["enabled", "expand_reference", "sgmv_expand", "sgmv_shrink", "shrink_reference", "use_triton"]
+__all__ = ["enabled", "expand_reference", "sgmv_expand", "sgmv_shrink", "shrink_reference", "shrink_row",
+           "shrink_row_reference", "use_triton"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -110,6 +111,24 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
                          max_rank=max_rank)
 
 
+def shrink_row(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_ranks: torch.Tensor, *,
+               num_slices: int, max_rank: int) -> torch.Tensor:
+    """The shrink of a batch-1 step's one row under the slot on the device: h fp32 [SPLIT,
+    num_slices * max_rank], summed over its first dim ``h[:, j*max_rank + r] = x[0] .
+    A_slot[j*max_rank + r]`` for r < the slot's rank; other entries (and all of h when slot
+    is -1) are unspecified. What `rollout.kernels.low_rank.LowRank` takes as h.
+
+    x: [1, K]; weights: [S, num_slices * max_rank, K] (x's dtype); slot: int32 [1];
+    slot_ranks: int32 [S]; all on x's device. Capturable: nothing is read on the host.
+    """
+    _check_shrink_row(x, weights, slot, slot_ranks, num_slices, max_rank)
+    if use_triton(x):
+        from lora.kernels import row
+
+        return row.shrink_row(x, weights, slot, slot_ranks, num_slices=num_slices, max_rank=max_rank)
+    return shrink_row_reference(x, weights, slot, slot_ranks, num_slices=num_slices, max_rank=max_rank)
+
+
 # ----------------------------------------------------------------------------- reference
 
 
@@ -136,6 +155,15 @@ def shrink_reference(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tens
         hs = x[rows].float() @ a.reshape(num_slices * rank, hidden).float().T  # [n, num_slices * rank]
         h[lo:hi, :, :rank] = hs.view(hi - lo, num_slices, rank)
     return h.view(1, row_ids.shape[0], num_slices * max_rank)
+
+
+def shrink_row_reference(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_ranks: torch.Tensor, *,
+                         num_slices: int, max_rank: int) -> torch.Tensor:
+    """Torch twin of the one-row shrink: h [1, num_slices * max_rank], zeros where the kernel
+    leaves h unwritten."""
+    indptr = torch.tensor([0, 1], dtype=torch.int32, device=x.device)
+    return shrink_reference(x, weights, torch.zeros(1, dtype=torch.int32, device=x.device), indptr, slot, slot_ranks,
+                            num_slices=num_slices, max_rank=max_rank)[0]
 
 
 def expand_reference(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_ids: torch.Tensor,
@@ -189,6 +217,18 @@ def _check_shrink(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tensor,
     _check_matrix("x", x, (-1, -1), None, x.device)
     _check_matrix("weights", weights, (-1, num_slices * max_rank, x.shape[1]), x.dtype, x.device)
     _check_segments(x.device, row_ids, seg_indptr, seg_slots, slot_ranks, -1, weights.shape[0])
+
+
+def _check_shrink_row(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_ranks: torch.Tensor,
+                      num_slices: int, max_rank: int) -> None:
+    if num_slices < 1 or max_rank < 1:
+        raise ValueError(f"num_slices and max_rank must be >= 1, got {num_slices}, {max_rank}")
+    _check_matrix("x", x, (1, -1), None, x.device)
+    _check_matrix("weights", weights, (-1, num_slices * max_rank, x.shape[1]), x.dtype, x.device)
+    for name, t, length in (("slot", slot, 1), ("slot_ranks", slot_ranks, weights.shape[0])):
+        if t.dtype != torch.int32 or t.shape != (length,) or t.device != x.device:
+            raise ValueError(f"{name} must be int32 [{length}] on {x.device}, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
 
 
 def _check_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_ids: torch.Tensor,

@@ -43,6 +43,9 @@ DEFER_MAX_ROWS = 16
 # -0.02; 256 rows -0.09 / +0.05 and +0.14 / +0.11; 320 rows +0.47 / +0.38; 512 rows +1.23 /
 # +1.18 and +0.56 / +0.40. Past ~200 rows the GEMMs fill the GPU and the branch only delays them.
 CONCURRENT_MAX_ROWS = 192
+# One-row steps put the adapter's term in the base GEMV's epilogue (hook.py); read at pool
+# construction, so benchmarks set it before building an engine.
+ONE_ROW_EPILOGUE = True
 
 
 class LoraPool:
@@ -79,6 +82,9 @@ class LoraPool:
         self.defer_max_rows = DEFER_MAX_ROWS
         self.concurrent_max_rows = CONCURRENT_MAX_ROWS  # side-stream shrinks up to this many rows (plan)
         self.defer_eager = False  # tests: defer outside graphs too (one stream), to check the path on CPU
+        # A one-row step's adapter term goes into the base GEMV's epilogue (hook.py `one_row`);
+        # False: the two halves apart, as at more rows (A/B: ONE_ROW_EPILOGUE).
+        self.one_row_epilogue = ONE_ROW_EPILOGUE
         self._side_stream: torch.cuda.Stream | None = None
 
     def bind_views(self) -> None:

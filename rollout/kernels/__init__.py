@@ -22,13 +22,15 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from rollout.cache.kv_pool import KVTarget
+    from rollout.kernels.low_rank import LowRank
     from rollout.kernels import finite as finite
     from rollout.kernels import fused as fused
     from rollout.kernels import rotary as rotary
     from rollout.kernels import skinny as skinny
 
 __all__ = ["BESIDE_MATMULS", "available", "enabled", "linear", "linear_beside", "linear_rope_kv", "linear_silu_mul",
-           "lora_beside_matmul", "rope_epilogue", "silu_epilogue", "skinny_matmul", "use_fused"]
+           "lora_beside_matmul", "one_row", "rope_epilogue", "rope_folds", "silu_epilogue", "silu_folds",
+           "skinny_matmul", "use_fused"]
 
 # None: automatic (CUDA tensors only). Tests only: True routes CPU tensors through the
 # kernels too (needs TRITON_INTERPRET=1 set before triton is first imported); False keeps
@@ -73,17 +75,24 @@ silu_epilogue: bool = True
 rope_epilogue: bool = True
 
 
-def _skinny_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does `linear(x, weight)` run the skinny kernel (one 16-bit row on the fused path)? Then it
+    and the epilogue forms below take a low-rank term (rollout/kernels/low_rank.py)."""
     return x.shape[0] == 1 and x.dtype != torch.float32 and skinny_matmul and use_fused(x) and weight.is_contiguous() \
         and x.stride(-1) == 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): a projection's matmul (x: [T, in], weight: [out, in])."""
-    if _skinny_row(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           low_rank: LowRank | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): a projection's matmul (x: [T, in], weight: [out, in]).
+    `low_rank`: an adapter's term to add, only where `one_row(x, weight)`."""
+    if one_row(x, weight):
         from rollout.kernels import skinny  # lazy, as below: the CPU path never imports triton
 
-        return skinny.linear(x, weight, bias)
+        return skinny.linear(x, weight, bias, low_rank=low_rank)
+    if low_rank is not None:
+        raise ValueError(f"kernels.linear: a low-rank term needs the skinny kernel's one row, got x "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
     return F.linear(x, weight, bias)
 
 
@@ -101,37 +110,49 @@ def linear_beside(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     choice = lora_beside_matmul
     if choice not in BESIDE_MATMULS:
         raise ValueError(f"kernels.lora_beside_matmul={choice!r}: expected one of {', '.join(BESIDE_MATMULS)}")
-    if choice == "cublas" or not _skinny_row(x, weight):
+    if choice == "cublas" or not one_row(x, weight):
         return F.linear(x, weight, bias)
     from rollout.kernels import skinny
 
     return skinny.linear(x, weight, bias, early=choice == "skinny")
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def silu_folds(weight: torch.Tensor) -> bool:
+    """Does `linear_silu_mul` fold SiLU-mul into a one-row matmul of this weight (gate | up)?"""
+    return silu_epilogue and weight.shape[0] % 2 == 0
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    low_rank: LowRank | None = None) -> torch.Tensor | None:
     """silu(gate) * up of linear(x, weight, bias) (weight: gate's rows, then up's) in the
-    matmul's one launch where `linear` would run the skinny kernel; None elsewhere (the caller
-    runs the matmul, then SiLU-mul)."""
-    if not (silu_epilogue and _skinny_row(x, weight) and weight.shape[0] % 2 == 0):
+    matmul's one launch where `one_row(x, weight)` and `silu_folds(weight)`; None elsewhere
+    (the caller runs the matmul, then SiLU-mul). `low_rank`: an adapter's term on gate_up."""
+    if not (silu_folds(weight) and one_row(x, weight)):
         return None
     from rollout.kernels import skinny
 
-    return skinny.linear_silu_mul(x, weight, bias)
+    return skinny.linear_silu_mul(x, weight, bias, low_rank=low_rank)
+
+
+def rope_folds(kv: KVTarget | None) -> bool:
+    """Does `linear_rope_kv` fold the rotary and the K/V store into a one-row qkv matmul?"""
+    return rope_epilogue and kv is not None
 
 
 def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, kv: KVTarget | None, n_q_heads: int,
-                   n_kv_heads: int) -> torch.Tensor | None:
+                   n_kv_heads: int, low_rank: LowRank | None = None) -> torch.Tensor | None:
     """The qkv projection with the rotary of q and k and the K/V store into `kv` in the matmul's
-    one launch, where `linear` would run the skinny kernel and there is a store to make: [1,
+    one launch, where `one_row(x, weight)` and `rope_folds(kv)` (there is a store to make): [1,
     (H + 2 Hkv) D] with q and k rotated; None elsewhere (the caller runs the matmul, then the
-    rotary)."""
-    if not (rope_epilogue and kv is not None and _skinny_row(x, weight)):
+    rotary). `low_rank`: an adapter's term on qkv, added before the rotary."""
+    if not (rope_folds(kv) and one_row(x, weight)):
         return None
     from rollout.kernels import skinny
 
+    assert kv is not None
     rope = skinny.RopeKV(cos, sin, positions, kv.k_cache, kv.v_cache, kv.slots, n_q_heads, n_kv_heads)
-    return skinny.linear_rope_kv(x, weight, bias, rope)
+    return skinny.linear_rope_kv(x, weight, bias, rope, low_rank=low_rank)
 
 
 def __getattr__(name: str) -> Any:

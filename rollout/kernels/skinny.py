@@ -26,6 +26,12 @@ rotary launch, one a layer, is gone). (Folding a kernel into
 the GEMV *after* it, the norm before qkv or SiLU-mul before down, was measured and dropped:
 every program then redid it over the whole row, BENCHMARKS.md "Batch 1, session 7".)
 
+Each form takes a low-rank term (`low_rank`: a LoRA adapter's, rollout/kernels/low_rank.py),
+added to its rows before the epilogue: the adapter's B rows are loaded before the PDL wait
+(no kernel of the step writes them) and the shrink's partial sums right after it, beside x's
+first tile, so the epilogue waits on no load (loaded there, they lengthened every program:
+the GEMV's mean 31.2 -> 38.2 us, against 33.5 now; BENCHMARKS.md, multi-LoRA "session 9").
+
 A form for 2-16 rows (tl.dot, rows padded to 16) was measured and dropped: at the default
 tiles it lost to cuBLAS on gate_up and down, and the best tiles per shape won 1-7% on the
 narrow projections only (BENCHMARKS.md). The torch path (F.linear) is the reference;
@@ -41,11 +47,13 @@ import triton
 import triton.language as tl
 
 from rollout.kernels import pdl
+from rollout.kernels.low_rank import MAX_SPLIT, LowRank
 
 __all__ = ["RopeKV", "Tiles", "linear", "linear_rope_kv", "linear_silu_mul", "tiles_for"]
 
 PDL: bool | None = None  # launch early (rollout/kernels/pdl.py); None: where it is available, False: never
 _DTYPES = (torch.float16, torch.bfloat16)
+_MAX_LOW_RANK_SLICES = 3  # the epilogue finds a row's slice among q/k/v at most
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,11 @@ def tiles_for(n: int, k: int) -> Tiles:
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
                  cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, stride_kc0, stride_kc1,
                  stride_vc0, stride_vc1, n_q_heads, n_kv_heads,
+                 lh_ptr, lb_ptr, lslot_ptr, lranks_ptr, stride_lbs, stride_lbn, l_off1, l_off2, l_split,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 SILU_MUL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+                 SILU_MUL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+                 LOW_RANK: tl.constexpr, L_COLS: tl.constexpr, L_MAX_RANK: tl.constexpr, L_SPLIT: tl.constexpr,
+                 L_RANK_P2: tl.constexpr):
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK_N)
     if SILU_MUL:  # W is [gate; up], N = 2I: rows j and I + j side by side (even and odd lanes)
@@ -90,10 +101,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     # the first tile of W is in flight before the wait: no kernel of the step writes W
     first = (rk < full)[None, :]
     w = tl.load(w_ptrs, mask=first, other=0.0)
-    if USE_PDL:  # x is the output of the kernel right before this one
+    if LOW_RANK:  # the adapter's B rows too (no kernel of the step writes them), masked past the rank
+        l_b, l_h_ptrs, l_h_mask = _low_rank_start(rows, lb_ptr, lh_ptr, lslot_ptr, lranks_ptr, stride_lbs, stride_lbn,
+                                                  l_off1, l_off2, l_split, L_COLS, L_MAX_RANK, L_SPLIT, L_RANK_P2)
+    if USE_PDL:  # x is the output of the kernel right before this one (and h, with a low-rank term)
         tl.extra.cuda.gdc_wait()
+    x0 = tl.load(x_ptr + rk, mask=rk < full, other=0.0)
+    if LOW_RANK:  # h's partials in flight beside x's first tile, summed at once: no load left for the epilogue
+        l_h = tl.sum(tl.load(l_h_ptrs, mask=l_h_mask, other=0.0), axis=1)
     # explicit FMAs: the same sums whether or not the launch lets the compiler contract (ROPE's does not)
-    acc = w.to(tl.float32) * tl.load(x_ptr + rk, mask=rk < full, other=0.0).to(tl.float32)[None, :]
+    acc = w.to(tl.float32) * x0.to(tl.float32)[None, :]
     for k in range(BLOCK_K, full, BLOCK_K):
         w = tl.load(w_ptrs + k)
         acc = tl.fma(w.to(tl.float32), tl.load(x_ptr + k + rk).to(tl.float32)[None, :], acc)
@@ -107,18 +124,42 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
+    y = y.to(dtype).to(tl.float32)  # rounded as the matmul's output
+    if LOW_RANK:  # then the adapter's delta, rounded once more as the in-place expand rounds
+        y = (y + tl.sum(l_h * l_b, axis=1)).to(dtype).to(tl.float32)
     if SILU_MUL:
         # gate_up rounded as the matmul's output is, then fused.silu_and_mul's two roundings
-        gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (BLOCK_N // 2, 2)))
+        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         jo = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + jo, (silu * up).to(dtype), mask=jo < half)
     elif ROPE:
-        _rope_kv_epilogue(y.to(dtype).to(tl.float32), y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr,
+        _rope_kv_epilogue(y, y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr,
                           stride_cs, stride_kc0, stride_kc1, stride_vc0, stride_vc1, n_q_heads, n_kv_heads,
                           pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), N // 2, BLOCK_N, HALF)
     else:
         tl.store(y_ptr + rn, y.to(dtype), mask=rn < N)
+
+
+@triton.jit
+def _low_rank_start(rows, b_ptr, h_ptr, slot_ptr, ranks_ptr, stride_bs, stride_bn, off1, off2, n_split,
+                    COLS: tl.constexpr, MAX_RANK: tl.constexpr, SPLIT: tl.constexpr, RANK_P2: tl.constexpr):
+    """A low-rank term's loads for the program's rows (W's row indices: output columns), row n
+    in slice j(n): b[slot, n, :rank] as fp32 [BLOCK_N, RANK_P2] (loaded now), and the
+    pointers and mask of h's partials of its slice, [BLOCK_N, SPLIT, RANK_P2], to load once h
+    is written. Everything is masked (zero) past the slot's rank, so slot -1 or rank 0 adds
+    nothing (low_rank.LowRank)."""
+    slot = tl.load(slot_ptr)  # written before the step, by no kernel of it
+    rank = tl.where(slot >= 0, tl.load(ranks_ptr + tl.maximum(slot, 0)), 0)
+    rs = tl.arange(0, RANK_P2)
+    r_ok = rs < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + rows[:, None] * stride_bn + rs[None, :]
+    b = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0).to(tl.float32)
+    j = (rows >= off1).to(tl.int32) + (rows >= off2).to(tl.int32)  # [BLOCK_N] (unused slices: off = N)
+    splits = tl.arange(0, SPLIT)
+    h_ptrs = h_ptr + splits[None, :, None] * COLS + (j * MAX_RANK)[:, None, None] + rs[None, None, :]
+    h_mask = (splits < n_split)[None, :, None] & r_ok[None, None, :]
+    return b, h_ptrs, h_mask
 
 
 @triton.jit
@@ -191,8 +232,43 @@ class RopeKV:
     n_kv_heads: int
 
 
+def _check_low_rank(name: str, term: LowRank | None, weight: torch.Tensor) -> None:
+    if term is None:
+        return
+    n, device = weight.shape[0], weight.device
+    offs, r = term.slice_offsets, term.max_rank
+    if not 1 <= term.num_slices <= _MAX_LOW_RANK_SLICES or offs[0] != 0 or offs[-1] != n \
+            or any(lo > hi for lo, hi in zip(offs[:-1], offs[1:])) or r < 1:
+        raise ValueError(f"skinny.{name}: low_rank needs 1..{_MAX_LOW_RANK_SLICES} slices rising from 0 to N={n} "
+                         f"and max_rank >= 1, got slice_offsets={offs}, max_rank={r}")
+    b, h, cols = term.b, term.h, term.num_slices * r
+    if b.dim() != 3 or b.shape[1:] != (n, r) or b.stride(2) != 1 or b.dtype != weight.dtype or b.device != device:
+        raise ValueError(f"skinny.{name}: low_rank.b must be [num_slots, {n}, {r}] {weight.dtype} contiguous in its "
+                         f"last dim on {device}, got {tuple(b.shape)} {b.dtype} on {b.device}")
+    if h.dim() != 2 or h.shape[1] != cols or not 1 <= h.shape[0] <= MAX_SPLIT or not h.is_contiguous() \
+            or h.dtype != torch.float32 or h.device != device:
+        raise ValueError(f"skinny.{name}: low_rank.h must be contiguous fp32 [1..{MAX_SPLIT}, {cols}] on "
+                         f"{device}, got {tuple(h.shape)} {h.dtype} on {h.device}")
+    for what, v, length in (("slot", term.slot, 1), ("ranks", term.ranks, b.shape[0])):
+        if v.shape != (length,) or v.dtype != torch.int32 or v.device != device:
+            raise ValueError(f"skinny.{name}: low_rank.{what} must be int32 [{length}] on {device}, got {v.dtype} "
+                             f"{tuple(v.shape)} on {v.device}")
+
+
+def _low_rank_args(term: LowRank | None, n: int, y: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernel's low-rank arguments and constexprs (valid pointers it never reads without a term)."""
+    if term is None:
+        return (y, y, y, y, 0, 0, n, n, 1), dict(LOW_RANK=False, L_COLS=1, L_MAX_RANK=1, L_SPLIT=1, L_RANK_P2=1)
+    offs = list(term.slice_offsets[1:-1]) + [n] * (_MAX_LOW_RANK_SLICES - term.num_slices)
+    b, h, r = term.b, term.h, term.max_rank
+    args = (h, b, term.slot, term.ranks, b.stride(0), b.stride(1), offs[0], offs[1], h.shape[0])
+    return args, dict(LOW_RANK=True, L_COLS=term.num_slices * r, L_MAX_RANK=r,
+                      L_SPLIT=triton.next_power_of_2(h.shape[0]), L_RANK_P2=triton.next_power_of_2(r))
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles | None,
-            silu_mul: bool = False, rope: RopeKV | None = None, early: bool = True) -> torch.Tensor:
+            silu_mul: bool = False, rope: RopeKV | None = None, early: bool = True,
+            low_rank: LowRank | None = None) -> torch.Tensor:
     n, k = weight.shape
     t = tiles or tiles_for(n, k)
     y = torch.empty(1, n // 2 if silu_mul else n, device=x.device, dtype=x.dtype)
@@ -205,48 +281,55 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         tables, kc, vc, ints = (rope.cos, rope.sin), rope.k_cache, rope.v_cache, (rope.positions, rope.slots)
         half, heads = rope.cos.shape[1], (rope.n_q_heads, rope.n_kv_heads)
         c_strides = (rope.cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
+    l_args, l_consts = _low_rank_args(low_rank, n, y)
     _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), *tables, ints[0], kc, vc, ints[1], *c_strides, *heads,
+                       *l_args, **l_consts,
                        HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SILU_MUL=silu_mul,
                        ROPE=rope is not None, HALF=half, num_warps=t.num_warps, num_stages=t.num_stages,
                        # the rotary's products and sums round one by one, as in rotary._rope_heads: in 16
-                       # bits the compiler would otherwise narrow them to half-precision FMAs
-                       enable_fp_fusion=rope is None,
+                       # bits the compiler would otherwise narrow them to half-precision FMAs; and a
+                       # low-rank term sums the same way in every epilogue form (tests compare them)
+                       enable_fp_fusion=rope is None and low_rank is None,
                        **pdl.launch(x.device, env=PDL if early else False))
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tiles | None = None, early: bool = True) -> torch.Tensor:
+           tiles: Tiles | None = None, early: bool = True, low_rank: LowRank | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row: x [1, K] @ weight [N, K]^T -> [1, N].
 
     x: [1, K], contiguous in its last dim; weight: contiguous [N, K];
     bias: [N] or None; all one float16/bfloat16 dtype on one device. `tiles`: the launch
     shape (default `tiles_for`; benchmarks pass others). `early=False`: no PDL for this
-    launch (it starts once the kernel before it is done); True: where `PDL` allows."""
+    launch (it starts once the kernel before it is done); True: where `PDL` allows.
+    `low_rank`: an adapter's term added in the epilogue (low_rank.LowRank says how)."""
     _check("linear", x, weight, bias)
-    return _launch(x, weight, bias, tiles, early=early)
+    _check_low_rank("linear", low_rank, weight)
+    return _launch(x, weight, bias, tiles, early=early, low_rank=low_rank)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    tiles: Tiles | None = None) -> torch.Tensor:
+                    tiles: Tiles | None = None, low_rank: LowRank | None = None) -> torch.Tensor:
     """fused.silu_and_mul(linear(x, weight, bias)) in one launch: weight [2I, K] is gate's rows
-    then up's (the fused gate_up projection), the result [1, I]. Tiles need an even block_n."""
+    then up's (the fused gate_up projection), the result [1, I]. Tiles need an even block_n.
+    `low_rank`: an adapter's term, added to gate_up before the SiLU-mul."""
     _check("linear_silu_mul", x, weight, bias, tiles, pairs="gate and up rows")
     if weight.shape[0] % 2:
         raise ValueError(f"skinny.linear_silu_mul: weight must have an even number of rows (gate | up), "
                          f"got {weight.shape[0]}")
-    return _launch(x, weight, bias, tiles, silu_mul=True)
+    _check_low_rank("linear_silu_mul", low_rank, weight)
+    return _launch(x, weight, bias, tiles, silu_mul=True, low_rank=low_rank)
 
 
 def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: RopeKV,
-                   tiles: Tiles | None = None) -> torch.Tensor:
+                   tiles: Tiles | None = None, low_rank: LowRank | None = None) -> torch.Tensor:
     """The qkv projection of one token with the rotary and the KV store as its epilogue, in one
     launch: linear(x, weight, bias) -> [1, (H + 2 Hkv) D] with q's and k's heads rotated at
     rope.positions (rotary.rotary_embedding's result, bit for bit) and v's as they are, and
     the rotated k and v also written to rope.k_cache / v_cache at rope.slots (what the rotary
     with a store does). weight's rows are q's heads, then k's, then v's, D = 2 * the tables'
     width each. Positions and slots are not bounds-checked (a device sync). Tiles need an even
-    block_n."""
+    block_n. `low_rank`: an adapter's term, added to qkv before the rotary."""
     _check("linear_rope_kv", x, weight, bias, tiles, pairs="a head's two halves")
     half = rope.cos.shape[1] if rope.cos.dim() == 2 else 0
     n_heads = rope.n_q_heads + 2 * rope.n_kv_heads
@@ -268,4 +351,5 @@ def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         if v.shape != (1,) or v.dtype not in (torch.int32, torch.int64) or v.device != x.device:
             raise ValueError(f"skinny.linear_rope_kv: {name} must be int [1] on {x.device}, got {v.dtype} "
                              f"{tuple(v.shape)} on {v.device}")
-    return _launch(x, weight, bias, tiles, rope=rope)
+    _check_low_rank("linear_rope_kv", low_rank, weight)
+    return _launch(x, weight, bias, tiles, rope=rope, low_rank=low_rank)

@@ -18,6 +18,7 @@ from torch import nn
 
 from rollout import kernels
 from rollout.distributed.tp import SINGLE, TensorParallel
+from rollout.kernels.low_rank import OneRow
 from rollout.model.config import ModelConfig
 from rollout.model.parallel import make_embedding
 
@@ -29,9 +30,13 @@ if TYPE_CHECKING:
 class LoraProjection(Protocol):
     """Adds adapter deltas to a projection (lora/hook.py): `begin(x, defer)` before the base
     matmul (its shrink may run beside it), `finish(pending, y)` after, updating y in place or,
-    when `defer` was granted, returning an fp32 delta the caller adds (else None)."""
+    when `defer` was granted, returning an fp32 delta the caller adds (else None). For one
+    row on the skinny GEMV, `one_row(x)` instead: the term its epilogue adds, or None when
+    the halves must run apart."""
 
     def begin(self, x: torch.Tensor, defer: bool = False) -> Any: ...
+
+    def one_row(self, x: torch.Tensor) -> OneRow | None: ...
 
     def finish(self, pending: Any, out: torch.Tensor) -> torch.Tensor | None: ...
 
@@ -150,19 +155,29 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_deferred(x, defer=False)[0]  # the adapter's delta added to y in place
 
-    @property
-    def foldable(self) -> bool:
-        """May the kernel after this projection run in its matmul's launch (no adapter adds to
-        the output, the matmul is the default one)?"""
-        return self.lora is None and self.matmul is kernels.linear
+    def one_row(self, x: torch.Tensor) -> OneRow | None:
+        """OneRow when x's matmul runs as the skinny GEMV with everything this projection adds
+        (an adapter's term, launching its shrink now) in its launch, so the kernel after it may
+        fold in too (kernels.linear_silu_mul / linear_rope_kv take the term); the caller then
+        runs it, once. None: the matmul and the adapter's kernels run apart (forward_deferred)."""
+        if self.matmul is not kernels.linear or not kernels.one_row(x, self.weight):
+            return None
+        return OneRow() if self.lora is None else self.lora.one_row(x)
 
-    def forward_deferred(self, x: torch.Tensor, defer: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_deferred(self, x: torch.Tensor, defer: bool = True,
+                         row: OneRow | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): like forward, but an adapter delta may be left out of y, as fp32
         [T, out] for the caller's next kernel to add (`with_delta`; lora/hook.py says when).
-        `defer=False` (e.g. the delta must precede a TP all-reduce) always adds it here."""
+        `defer=False` (e.g. the delta must precede a TP all-reduce) always adds it here.
+        `row`: what one_row(x) gave the caller, if it asked (its term is added here)."""
         lora = self.lora
-        if lora is None:
+        if lora is None and row is None:
             return self.matmul(x, self.weight, self.bias), None
+        if row is None:
+            row = self.one_row(x)
+        if row is not None:  # one launch with the adapter's term (lora/hook.py one_row)
+            return kernels.linear(x, self.weight, self.bias, low_rank=row.term), None
+        assert lora is not None
         pending = lora.begin(x, defer)  # launched before the matmul, so it can overlap it
         matmul = self.matmul
         if pending is not None and matmul is kernels.linear and lora.concurrent:
@@ -208,9 +223,11 @@ class Attention(nn.Module):
         t = x.shape[0]
         kv = backend.kv_target(self.layer_id)  # the rotary stores K/V, in its own launch on GPU
         proj = self.qkv_proj
-        # batch 1 on GPU: the rotary and the K/V store as the qkv GEMV's epilogue
+        # batch 1 on GPU: the rotary and the K/V store as the qkv GEMV's epilogue (q/k norms
+        # come between the two)
+        row = proj.one_row(x) if self.q_norm is None and kernels.rope_folds(kv) else None
         qkv = kernels.linear_rope_kv(x, proj.weight, proj.bias, rotary.cos, rotary.sin, positions, kv, self.num_heads,
-                                     self.num_kv_heads) if proj.foldable and self.q_norm is None else None
+                                     self.num_kv_heads, low_rank=row.term) if row is not None else None
         if qkv is not None:
             q, k, v = self._heads(qkv)
         else:
@@ -240,7 +257,8 @@ class MLP(nn.Module):
         """(output, down_proj's deferred adapter delta or None): the next norm adds the delta."""
         up_proj = self.gate_up_proj
         # batch 1 on GPU: SiLU-mul as the gate_up GEMV's epilogue (this rank's gate rows, then up's)
-        act = kernels.linear_silu_mul(x, up_proj.weight, up_proj.bias) if up_proj.foldable else None
+        row = up_proj.one_row(x) if kernels.silu_folds(up_proj.weight) else None
+        act = kernels.linear_silu_mul(x, up_proj.weight, up_proj.bias, low_rank=row.term) if row is not None else None
         if act is None:
             gate_up, delta = up_proj.forward_deferred(x)  # [T, 2I/tp]
             if kernels.use_fused(gate_up):  # GPU: one kernel instead of silu, then mul
