@@ -102,6 +102,10 @@ def gpu(args) -> None:
     # --in-place-peer: a third engine whose graphs expand in place (no deferred deltas), so
     # the two LoRA launch modes are compared in one run
     engines = [(False, "no LoRA"), (True, "LoRA on")] + ([(True, "LoRA in-place")] if args.in_place_peer else [])
+    # --apart-peer: a LoRA engine whose one-row steps run the adapter's shrink and expand apart
+    # from the GEMV (the side stream, --beside's matmul) instead of the expand in its epilogue
+    # (lora/hook.py one_row)
+    engines += [(True, "LoRA apart")] if args.apart_peer else []
     # --base-again: the LoRA-free engine once more at the end; rows compare against the mean of
     # its two runs, so a drift of the machine over the run (clocks, heat) does not count as LoRA's
     engines += [(False, "no LoRA, again")] if args.base_again else []
@@ -109,6 +113,7 @@ def gpu(args) -> None:
         if not lora and not {"a", "p", "b"} & set(args.workloads):
             continue  # the sync row alone needs no LoRA-free peer
         lora_pool.DEFER_MAX_ROWS = 0 if label == "LoRA in-place" else deferred_rows  # read when the pool is built
+        lora_pool.ONE_ROW_EPILOGUE = label != "LoRA apart"
         engine = make(lora)
         if lora:
             for k, name in enumerate(names):
@@ -295,6 +300,9 @@ def main() -> None:
     parser.add_argument("--in-place-peer", action="store_true",
                         help="also run a LoRA engine without deferred deltas (lora/hook.py), in the same run")
     parser.add_argument("--mem-fraction", type=float, default=0.6)
+    parser.add_argument("--apart-peer", action="store_true",
+                        help="also run a LoRA engine whose one-row steps run the adapter's kernels apart from the "
+                             "GEMV (lora.pool.ONE_ROW_EPILOGUE = False), in the same run")
     parser.add_argument("--beside", default=None, choices=("cublas", "skinny", "skinny-late"),
                         help="the matmul of a batch-1 projection whose adapter kernels run on the side stream "
                              "(rollout.kernels.lora_beside_matmul; default: the engine's)")

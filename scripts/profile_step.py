@@ -39,6 +39,9 @@ def main() -> None:
                         help="cuBLAS for every matmul: the skinny kernel off (rollout.kernels.skinny_matmul = False)")
     parser.add_argument("--lora", type=int, default=0,
                         help="N > 0: N random rank-16 adapters on all seven modules, the requests spread over them")
+    parser.add_argument("--apart", action="store_true",
+                        help="with --lora at batch 1: the adapter's kernels apart from the GEMV, not its expand in "
+                             "the GEMV's epilogue (lora.pool.ONE_ROW_EPILOGUE = False)")
     parser.add_argument("--beside", default=None, choices=("cublas", "skinny", "skinny-late"),
                         help="with --lora at batch 1: the matmul of a projection whose adapter kernels run on "
                              "the side stream (rollout.kernels.lora_beside_matmul; default: the engine's)")
@@ -49,6 +52,10 @@ def main() -> None:
         kernels.skinny_matmul = False
     if args.beside:
         kernels.lora_beside_matmul = args.beside
+    if args.apart:
+        import lora.pool
+
+        lora.pool.ONE_ROW_EPILOGUE = False  # read when the pool is built
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import SHAPES, write_shape_dir
