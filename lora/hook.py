@@ -37,7 +37,8 @@ the main stream (lora/kernels/row.py) and the expand is the GEMV's epilogue
 (rollout/kernels/low_rank.py), so the projection stays one launch plus the shrink, and the
 epilogues after it (SiLU-mul, the rotary with the K/V store) still fold in: 4.47 ms a step
 with one adapter against 4.07 without (BENCHMARKS.md, "session 9"). (The shrink as the GEMV's
-own first programs, the others waiting for them, was measured and dropped: 4.89 ms.)
+own first programs, the others waiting for them, was measured and dropped: 4.89 ms; so was
+the qkv and gate_up shrink as extra programs of the add-RMSNorm before them: no gain.)
 """
 
 from __future__ import annotations
