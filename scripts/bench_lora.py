@@ -103,7 +103,7 @@ def gpu(args) -> None:
     # the two LoRA launch modes are compared in one run
     engines = [(False, "no LoRA"), (True, "LoRA on")] + ([(True, "LoRA in-place")] if args.in_place_peer else [])
     # --apart-peer: a LoRA engine whose one-row steps run the adapter's shrink and expand apart
-    # from the GEMV (the side stream, --beside's matmul) instead of the expand in its epilogue
+    # from the GEMV (the side stream, cuBLAS beside it) instead of the expand in its epilogue
     # (lora/hook.py one_row)
     engines += [(True, "LoRA apart")] if args.apart_peer else []
     # --base-again: the LoRA-free engine once more at the end; rows compare against the mean of
@@ -303,9 +303,6 @@ def main() -> None:
     parser.add_argument("--apart-peer", action="store_true",
                         help="also run a LoRA engine whose one-row steps run the adapter's kernels apart from the "
                              "GEMV (lora.pool.ONE_ROW_EPILOGUE = False), in the same run")
-    parser.add_argument("--beside", default=None, choices=("cublas", "skinny", "skinny-late"),
-                        help="the matmul of a batch-1 projection whose adapter kernels run on the side stream "
-                             "(rollout.kernels.lora_beside_matmul; default: the engine's)")
     parser.add_argument("--split", action="store_true",
                         help="after the timed rows of a, each variant once more step by step: its wall time split "
                              "into decode-graph steps and the rest (prefill, mixed steps)")
@@ -314,10 +311,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new", type=int, default=24)
     args = parser.parse_args()
-    if args.beside:
-        from rollout import kernels
-
-        kernels.lora_beside_matmul = args.beside  # read as the decode graphs are captured
     cpu(args) if args.cpu else gpu(args)
 
 

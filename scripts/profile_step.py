@@ -42,16 +42,11 @@ def main() -> None:
     parser.add_argument("--apart", action="store_true",
                         help="with --lora at batch 1: the adapter's kernels apart from the GEMV, not its expand in "
                              "the GEMV's epilogue (lora.pool.ONE_ROW_EPILOGUE = False)")
-    parser.add_argument("--beside", default=None, choices=("cublas", "skinny", "skinny-late"),
-                        help="with --lora at batch 1: the matmul of a projection whose adapter kernels run on "
-                             "the side stream (rollout.kernels.lora_beside_matmul; default: the engine's)")
     args = parser.parse_args()
     from rollout import kernels
 
     if args.cublas:
         kernels.skinny_matmul = False
-    if args.beside:
-        kernels.lora_beside_matmul = args.beside
     if args.apart:
         import lora.pool
 

@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     from rollout.kernels import rotary as rotary
     from rollout.kernels import skinny as skinny
 
-__all__ = ["BESIDE_MATMULS", "available", "enabled", "linear", "linear_beside", "linear_rope_kv", "linear_silu_mul",
-           "lora_beside_matmul", "one_row", "rope_epilogue", "rope_folds", "silu_epilogue", "silu_folds",
-           "skinny_matmul", "use_fused"]
+__all__ = ["available", "enabled", "linear", "linear_rope_kv", "linear_silu_mul", "one_row", "rope_epilogue",
+           "rope_folds", "silu_epilogue", "silu_folds", "skinny_matmul", "use_fused"]
 
 # None: automatic (CUDA tensors only). Tests only: True routes CPU tensors through the
 # kernels too (needs TRITON_INTERPRET=1 set before triton is first imported); False keeps
@@ -94,27 +93,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"kernels.linear: a low-rank term needs the skinny kernel's one row, got x "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
     return F.linear(x, weight, bias)
-
-
-# A one-row projection whose adapter kernels run beside it on a side stream (LoRA decode
-# graphs): "cublas" (default), "skinny" (the GEMV as everywhere else), or "skinny-late" (the GEMV
-# without PDL: it launches once the norm before it is done, beside the adapter's shrink). The
-# GEMV launched early takes every SM before the shrink may start (BENCHMARKS.md, multi-LoRA
-# "session 8": 5.56 ms a batch-1 step with it, 4.98 with cuBLAS); "skinny-late" is not measured.
-lora_beside_matmul: str = "cublas"
-BESIDE_MATMULS = ("cublas", "skinny", "skinny-late")
-
-
-def linear_beside(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` for a projection with adapter kernels on a side stream (`lora_beside_matmul`)."""
-    choice = lora_beside_matmul
-    if choice not in BESIDE_MATMULS:
-        raise ValueError(f"kernels.lora_beside_matmul={choice!r}: expected one of {', '.join(BESIDE_MATMULS)}")
-    if choice == "cublas" or not one_row(x, weight):
-        return F.linear(x, weight, bias)
-    from rollout.kernels import skinny
-
-    return skinny.linear(x, weight, bias, early=choice == "skinny")
 
 
 def silu_folds(weight: torch.Tensor) -> bool:

@@ -267,7 +267,7 @@ def _low_rank_args(term: LowRank | None, n: int, y: torch.Tensor) -> tuple[tuple
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles | None,
-            silu_mul: bool = False, rope: RopeKV | None = None, early: bool = True,
+            silu_mul: bool = False, rope: RopeKV | None = None,
             low_rank: LowRank | None = None) -> torch.Tensor:
     n, k = weight.shape
     t = tiles or tiles_for(n, k)
@@ -290,22 +290,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
                        # bits the compiler would otherwise narrow them to half-precision FMAs; and a
                        # low-rank term sums the same way in every epilogue form (tests compare them)
                        enable_fp_fusion=rope is None and low_rank is None,
-                       **pdl.launch(x.device, env=PDL if early else False))
+                       **pdl.launch(x.device, env=PDL))
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tiles | None = None, early: bool = True, low_rank: LowRank | None = None) -> torch.Tensor:
+           tiles: Tiles | None = None, low_rank: LowRank | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row: x [1, K] @ weight [N, K]^T -> [1, N].
 
     x: [1, K], contiguous in its last dim; weight: contiguous [N, K];
     bias: [N] or None; all one float16/bfloat16 dtype on one device. `tiles`: the launch
-    shape (default `tiles_for`; benchmarks pass others). `early=False`: no PDL for this
-    launch (it starts once the kernel before it is done); True: where `PDL` allows.
+    shape (default `tiles_for`; benchmarks pass others).
     `low_rank`: an adapter's term added in the epilogue (low_rank.LowRank says how)."""
     _check("linear", x, weight, bias)
     _check_low_rank("linear", low_rank, weight)
-    return _launch(x, weight, bias, tiles, early=early, low_rank=low_rank)
+    return _launch(x, weight, bias, tiles, low_rank=low_rank)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

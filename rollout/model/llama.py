@@ -181,9 +181,11 @@ class Linear(nn.Module):
         pending = lora.begin(x, defer)  # launched before the matmul, so it can overlap it
         matmul = self.matmul
         if pending is not None and matmul is kernels.linear and lora.concurrent:
-            # not the early-launched skinny GEMV by default: its thousands of programs took every
-            # SM, so the adapter's kernels on the side stream waited for it (kernels.linear_beside)
-            matmul = kernels.linear_beside
+            # cuBLAS, not the skinny GEMV: launched early under PDL its thousands of programs took
+            # every SM, so the adapter's kernels on the side stream waited for it (5.56 ms a batch-1
+            # step against 4.98; BENCHMARKS.md multi-LoRA "session 8"). One row normally takes
+            # one_row above; this is its A/B (lora.pool.ONE_ROW_EPILOGUE = False).
+            matmul = F.linear
         y = matmul(x, self.weight, self.bias)
         return y, lora.finish(pending, y)
 
