@@ -23,6 +23,12 @@ from rollout.scheduler import ScheduledBatch
 if TYPE_CHECKING:
     from lora.pool import LoraPool
 
+# The default budget of KV tokens that prefill rows may read (ModelRunner.extend_rows_kv):
+# a 128-token prompt alone reads 8256, a 362-token one 65703. On an H200 (8B shape, bf16)
+# a 128-token prefill took 20-33 ms of host-bound eager launches for 5.3 ms of kernels
+# (BENCHMARKS.md, "Batch 1, session 7"); as rows it replays one graph.
+EXTEND_ROWS_KV = 65536
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: AttentionBackend | None, table: torch.Tensor, device: torch.device,
@@ -37,6 +43,12 @@ class ModelRunner:
         # Verify steps as decode rows (see _prepare_rows) up to this many rows; None: up to
         # the largest decode graph (any number without graphs); 0: never (benchmarks)
         self.verify_rows_max: int | None = None
+        # Prefill chunks as decode rows too (see _prepare_rows), so a small prefill replays a
+        # decode graph instead of ~20 eager launches a layer from the host, when the rows fit
+        # the largest graph and their KV reads (each row re-reads its request's KV up to
+        # itself) sum to at most this many tokens. None: EXTEND_ROWS_KV when decode graphs are
+        # captured, else 0 (without a graph to replay, rows only add attention reads); 0: never.
+        self.extend_rows_kv: int | None = None
         # the last token sampled for each request row, on the device (overlap scheduling
         # feeds in-flight tokens from here without a host round trip)
         self.last_tokens = torch.zeros(table.shape[0], dtype=torch.int64, device=device)
@@ -48,7 +60,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         if batch.num_decode == len(batch.reqs) and all(r.output_ids or r.num_inflight for r in batch.reqs):
             return self._prepare_decode(batch)
-        if self._verify_as_rows(batch):
+        if self._as_rows(batch):
             return self._prepare_rows(batch)
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -100,46 +112,69 @@ class ModelRunner:
             torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens, inflight,
         )
 
-    def _verify_as_rows(self, batch: ScheduledBatch) -> bool:
-        """Is this a step of decodes and verifies only, small enough to run as decode rows?"""
-        limit = self.verify_rows_max
-        if limit is None:
-            limit = self.graphs.max_bs if self.graphs is not None else 1 << 30
-        rows = 0
+    def _as_rows(self, batch: ScheduledBatch) -> bool:
+        """Does this step run as decode rows: decodes and verifies within verify_rows_max, or
+        with prefill chunks among them, rows that fit the largest decode graph and KV reads
+        within extend_rows_kv?"""
+        rows = extend_kv = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            if n != 1 + len(req.draft_tokens) or req.num_inflight or not req.output_ids \
-                    or req.num_computed_tokens + 1 != req.seq_len:
-                return False  # a prefill chunk (or a token in flight): the extend layout
+            if req.draft_tokens:  # a verify: its last known token, then its drafts
+                if n != 1 + len(req.draft_tokens) or req.num_inflight or req.num_computed_tokens + 1 != req.seq_len:
+                    return False
+            elif req.num_inflight:
+                if n != 1:
+                    return False  # only a decode has a token in flight
+            elif not (n == 1 and req.output_ids and req.num_computed_tokens + 1 == req.seq_len):
+                extend_kv += n * req.num_computed_tokens + n * (n + 1) // 2  # a prefill chunk: its rows' KV
             rows += n
-        return rows <= limit
+        graph_rows = self.graphs.max_bs if self.graphs is not None else 1 << 30
+        if extend_kv:
+            budget = self.extend_rows_kv
+            if budget is None:
+                budget = EXTEND_ROWS_KV if self.graphs is not None else 0
+            return extend_kv <= budget and rows <= graph_rows
+        if not any(r.draft_tokens for r in batch.reqs):
+            return False  # plain decodes: _prepare_decode's layout
+        return rows <= (self.verify_rows_max if self.verify_rows_max is not None else graph_rows)
 
     def _prepare_rows(self, batch: ScheduledBatch) -> ForwardBatch:
-        """A verify step laid out as decode rows: position j of a request verifying k drafts
-        is a row of its own whose KV is the request's slots up to and including j. Every
-        layer stores all rows' K/V before attending, so row j sees the drafts before it, as
-        causal attention over the request would; the step is then decode-shaped and replays
-        a decode CUDA graph (of rows = requests x (1 + k)) instead of running eagerly. Each
-        row re-reads its request's KV: cheap next to the weights at the batch sizes graphs cover."""
+        """A step laid out as decode rows: new token j of a request (a prefill chunk's token,
+        or position j of a request verifying k drafts) is a row of its own whose KV is the
+        request's slots up to and including j. Every layer stores all rows' K/V before
+        attending, so row j sees the tokens before it, as causal attention over the request
+        would; the step is then decode-shaped and replays a decode CUDA graph (of rows =
+        the step's new tokens) instead of running eagerly. Each row re-reads its request's
+        KV: cheap next to the weights at the sizes graphs cover and the budget allows."""
         table = self.table_np
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
         out_locs: list[np.ndarray] = []
         kv_parts: list[np.ndarray] = []
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        logits_indices: list[int] = []
+        inflight: list[tuple[int, int]] = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             row, start = table[req.req_pool_idx], req.num_computed_tokens
-            input_ids.append(req.output_ids[-1])
-            input_ids.extend(req.draft_tokens)
+            if req.num_inflight:  # a decode whose token the host has not seen yet
+                inflight.append((len(input_ids), req.req_pool_idx))
+                input_ids.append(0)
+            elif req.draft_tokens or (n == 1 and req.output_ids and start + 1 == req.seq_len):
+                input_ids.append(req.output_ids[-1])  # a decode or a verify: skip building all_ids
+                input_ids.extend(req.draft_tokens)
+            else:
+                input_ids.extend(req.all_ids[start : start + n])
             out_locs.append(row[start : start + n])
             for end in range(start + 1, start + n + 1):
                 positions.append(end - 1)
                 seq_lens.append(end)
                 kv_parts.append(row[:end])
+            if batch.produces_token(i):  # one row per draft position, plus the last
+                logits_indices.extend(range(len(input_ids) - 1 - len(req.draft_tokens), len(input_ids)))
         rows = len(input_ids)
         return self._finish(  # LoRA segments per request: its rows are contiguous, as in the extend layout
             torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
             torch.from_numpy(np.concatenate(out_locs)), torch.from_numpy(np.concatenate(kv_parts)),
-            torch.arange(rows, dtype=torch.int64), batch, seq_lens, [], row_lens=[1] * rows,
+            torch.tensor(logits_indices, dtype=torch.int64), batch, seq_lens, inflight, row_lens=[1] * rows,
         )
 
     def _finish(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -196,10 +231,11 @@ class ModelRunner:
 
 def run_model(model: LlamaModel, backend: AttentionBackend | None, graphs: DecodeGraphs | None, fb: ForwardBatch,
               lora: LoraPool | None = None) -> torch.Tensor:
-    """Logits [R, vocab] float32 of a step: a decode graph's replay when one covers it (every
-    row samples), else an eager forward (the target's runner and the draft model's)."""
-    if graphs is not None and fb.logits_indices.numel() == fb.batch_size and graphs.can_run(fb):
-        return graphs.replay(fb)
+    """Logits [R, vocab] float32 of a step: a decode graph's replay when one covers it (a
+    decode-shaped step), else an eager forward (the target's runner and the draft model's)."""
+    if graphs is not None and graphs.can_run(fb):
+        logits = graphs.replay(fb)  # every row's: a prefill chunk as rows samples its last row only
+        return logits if fb.logits_indices.numel() == fb.batch_size else logits[fb.logits_indices]
     assert backend is not None, "no attention backend (the engine is asleep)"
     backend.plan(fb)
     if lora is not None:

@@ -52,6 +52,24 @@ def test_mixed_batch_matches_peft(llama: TinyModel, ref: PeftRef, page_size: int
         assert torch.allclose(torch.tensor(out.logprobs), want, atol=1e-4), (adapter, out.logprobs, want)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_as_decode_rows_matches_peft(llama: TinyModel, ref: PeftRef, page_size: int) -> None:
+    """Prefill chunks laid out as decode rows (what a GPU replays in a decode graph: runner
+    extend_rows_kv), forced on CPU: each adapter's rows form one segment, as in the extend layout."""
+    engine = _engine(llama, ref, page_size=page_size, max_prefill_tokens=16)
+    engine.runner.extend_rows_kv = 1 << 30
+    rows: list[int] = []
+    inner = engine.runner._prepare_rows
+    engine.runner._prepare_rows = lambda batch: rows.append(1) or inner(batch)  # type: ignore[method-assign]
+    prompts = make_prompts(llama.vocab_size, [5, 9, 3, 12, 7, 5, 20, 4], seed=42)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_name=MIX)
+    assert rows
+    for out, prompt, adapter in zip(outs, prompts, MIX):
+        assert out.token_ids == ref.greedy(adapter, prompt), f"adapter {adapter}"
+        want = ref.logprobs(adapter, prompt, out.token_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), want, atol=1e-4), (adapter, out.logprobs, want)
+
+
 def test_deferred_deltas_match_peft(llama: TinyModel, ref: PeftRef, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer-added adapter deltas (lora/hook.py; on a GPU, decode graphs of up to
     LoraPool.defer_max_rows rows) forced on for every step, prefill included."""
@@ -263,17 +281,22 @@ def test_lora_off_is_refused_clearly(llama: TinyModel, ref: PeftRef) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs and the Triton SGMV kernels need a GPU")
-@pytest.mark.parametrize("overlap", [False, True])
-def test_gpu_graphs_replay_any_adapter_mix(llama: TinyModel, ref: PeftRef, overlap: bool) -> None:
+@pytest.mark.parametrize("overlap,max_bs", [(False, 8), (True, 8), (True, 128)])
+def test_gpu_graphs_replay_any_adapter_mix(llama: TinyModel, ref: PeftRef, overlap: bool, max_bs: int) -> None:
     """On the GPU (Triton SGMV inside captured decode graphs, overlap on and off): tokens
-    equal peft's (fp32) for a mixed batch, and equal the same engine run eagerly."""
+    equal peft's (fp32) for a mixed batch, and equal the same engine run eagerly. Graphs to
+    128 rows take the 65-token prefill too, as decode rows (runner.extend_rows_kv)."""
     prompts = make_prompts(llama.vocab_size, [5, 9, 3, 12, 7, 5, 20, 4], seed=48)
     common = dict(device="cuda", max_total_tokens=4096, overlap_schedule=overlap, attention="triton")
-    graphed = _engine(llama, ref, cuda_graph_max_bs=8, **common)
+    graphed = _engine(llama, ref, cuda_graph_max_bs=max_bs, **common)
     eager = _engine(llama, ref, cuda_graph=False, **common)
+    rows: list[int] = []
+    inner = graphed.runner._prepare_rows
+    graphed.runner._prepare_rows = lambda batch: rows.append(1) or inner(batch)  # type: ignore[method-assign]
     a = graphed.generate(input_ids=prompts, sampling_params=GREEDY, lora_name=MIX)
     b = eager.generate(input_ids=prompts, sampling_params=GREEDY, lora_name=MIX)
     assert graphed.runner.graphs is not None and graphed.runner.graphs.num_replays > 0
+    assert bool(rows) == (max_bs == 128)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     for out, prompt, adapter in zip(a, prompts, MIX):
         assert out.token_ids == ref.greedy(adapter, prompt), f"adapter {adapter}"
