@@ -1,8 +1,11 @@
 """Where bench_rollout (b)'s time goes beyond its decode steps: every step of a batch-1 run
-timed (the first one is the prompt's prefill), then the first step alone, its host phases and
-device span, and one profile of it by host time.
+timed (the first one is the prompt's prefill), for each prompt length and prefill layout
+(`--prefill-rows on`: the prompt's tokens as decode rows replaying a decode graph, the
+engine's default within its budget, rollout/model/runner.py; `off`: the eager extend
+layout), a table of them; then the first step alone, its host phases and device span, and
+one profile of it by host time (first length and layout given).
 
-    python -m scripts.bench_first_step [--shape llama8b] [--input-len 128] [--new 256]
+    python -m scripts.bench_first_step [--shape llama8b] [--input-len 128 256 512] [--prefill-rows on off]
     python -m scripts.bench_first_step --device cpu --shape tiny --new 8   # smoke run
 """
 
@@ -17,7 +20,9 @@ import torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama8b")
-    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, nargs="+", default=[128])
+    p.add_argument("--prefill-rows", nargs="+", default=["on"], choices=["on", "off"],
+                   help="the prefill as decode rows (a graph replay; on: the engine's default) or eager")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
@@ -38,26 +43,42 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_new_tokens=args.new, ignore_eos=True)
 
-    def prompt() -> list[int]:
-        return torch.randint(100, vocab - 100, (args.input_len,), generator=g).tolist()
+    def prompt(length: int) -> list[int]:
+        return torch.randint(100, vocab - 100, (length,), generator=g).tolist()
 
-    engine.generate(input_ids=[prompt()], sampling_params=params)  # warm-up outside the timing
-    for rep in range(args.repeats):  # bench_rollout (b), every step timed
-        engine.flush_cache()
-        sync()
-        start = time.perf_counter()
-        engine.add_request(prompt(), params)
-        steps = []
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            engine.step()
-            steps.append(1e3 * (time.perf_counter() - t))
-        sync()
-        total = time.perf_counter() - start
-        median = sorted(steps)[len(steps) // 2]
-        print(f"run {rep}: {1e3 * total:.1f} ms ({args.new / total:.0f} tok/s), {len(steps)} steps: first "
-              f"{' '.join(f'{m:.2f}' for m in steps[:4])} ms, median {median:.3f} ms, beyond n x median "
-              f"{sum(steps) - len(steps) * median:.1f} ms", flush=True)
+    def rows(mode: str) -> None:  # as the engine decides (its budget), or never
+        engine.runner.extend_rows_kv = None if mode == "on" else 0
+
+    engine.generate(input_ids=[prompt(n) for n in args.input_len], sampling_params=params)  # warm-up, untimed
+    table = []
+    for length in args.input_len:
+        for mode in args.prefill_rows:
+            rows(mode)
+            firsts, totals = [], []
+            for rep in range(args.repeats):  # bench_rollout (b), every step timed
+                engine.flush_cache()
+                sync()
+                start = time.perf_counter()
+                engine.add_request(prompt(length), params)
+                steps = []
+                while engine.has_unfinished():
+                    t = time.perf_counter()
+                    engine.step()
+                    steps.append(1e3 * (time.perf_counter() - t))
+                sync()
+                total = time.perf_counter() - start
+                median = sorted(steps)[len(steps) // 2]
+                firsts.append(steps[0])
+                totals.append(total)
+                print(f"in {length}, prefill rows {mode}, run {rep}: {1e3 * total:.1f} ms ({args.new / total:.0f} tok/s), "
+                      f"{len(steps)} steps: first {' '.join(f'{m:.2f}' for m in steps[:4])} ms, median {median:.3f} ms, "
+                      f"beyond n x median {sum(steps) - len(steps) * median:.1f} ms", flush=True)
+            table.append((length, mode, sorted(firsts)[len(firsts) // 2], sorted(totals)[len(totals) // 2]))
+    print(f"\n{args.shape}, {args.device}, {args.new} new tokens, median of {args.repeats} runs")
+    print(f"{'input':>6} | {'prefill rows':>12} | {'first step ms':>13} | {'run ms':>8} | {'tok/s':>6}")
+    for length, mode, first, total in table:
+        print(f"{length:>6} | {mode:>12} | {first:>13.2f} | {1e3 * total:>8.1f} | {args.new / total:>6.1f}")
+    rows(args.prefill_rows[0])
     for rep in range(args.repeats + 1):  # the first step alone; the last one profiled
         engine.flush_cache()
         sync()
@@ -65,7 +86,7 @@ def main() -> None:
         for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "prepare"), (engine.runner, "forward"),
                           (engine.loop, "read_back")):
             timer.add(obj, name)
-        engine.add_request(prompt(), params)
+        engine.add_request(prompt(args.input_len[0]), params)
         profiled = rep == args.repeats
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                       + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
@@ -97,7 +118,7 @@ def main() -> None:
         for _ in range(2):
             engine.flush_cache()
             sync()
-            engine.add_request(prompt(), params)
+            engine.add_request(prompt(args.input_len[0]), params)
             with cProfile.Profile() as cprof:
                 engine.step()
                 sync()

@@ -34,6 +34,7 @@ import torch
 from rollout.bench.compiles import CompileRecord, triton_compiles
 from rollout.bench.steady import split_steps
 
+ROWS_OFF = ", eager prefill"  # a variant run with ModelRunner.extend_rows_kv = 0 (--prefill-rows off)
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -129,6 +130,10 @@ def gpu(args) -> None:
                   + ([("8 adapters, uniform", [names[i % 8] for i in range(batch_a)])] if lora else [])),
             "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
         }
+        # --prefill-rows on off: each variant with small prefills as decode rows (a graph replay,
+        # the engine's default: ModelRunner.extend_rows_kv) and with the eager extend layout
+        workloads = {w: (work, [(what + ROWS_OFF * (mode == "off"), names_, mode) for mode in args.prefill_rows
+                                for what, names_ in variants]) for w, (work, variants) in workloads.items()}
         if label == "LoRA on" and "s" in args.workloads:  # first: short, and a row a time limit must not lose
             from lora.flat import FlatLoraAdapter
 
@@ -169,7 +174,8 @@ def gpu(args) -> None:
                 continue
             work, variants = workloads[workload]
             new = greedy(1 if workload == "p" else output_n)
-            for what, lora_names in variants:
+            for what, lora_names, rows in variants:
+                engine.runner.extend_rows_kv = None if rows == "on" else 0
                 # the whole workload once, untimed: its eager (mixed prefill + decode) steps pick SGMV
                 # tilings by their row counts, and a variant first launched in a timed run would put
                 # its compile (1-3 s) in the figure (once per process in real use)
@@ -178,12 +184,13 @@ def gpu(args) -> None:
                 print(f"{workload} [{label}] {what}, warm-up run: {warm_compiles.summary()}", flush=True)
             # b is short: each variant three times, interleaved (base, adapter, base, ...), so the
             # same engine's variants see the same machine; the median of each
-            runs: dict[str, list[tuple[float, int]]] = {what: [] for what, _ in variants}
+            runs: dict[str, list[tuple[float, int]]] = {what: [] for what, _, _ in variants}
             for _ in range(3 if workload == "b" else 1):
-                for what, lora_names in variants:
+                for what, lora_names, rows in variants:
+                    engine.runner.extend_rows_kv = None if rows == "on" else 0
                     engine.flush_cache()
                     runs[what].append(timed(engine, work, new, lora_names))
-            for what, _ in variants:
+            for what, _, _ in variants:
                 secs, toks, compiled = sorted(runs[what], key=lambda run: run[0])[len(runs[what]) // 2]
                 if workload == "p":
                     toks = sum(len(w) for w in work)  # prompt tokens per second
@@ -192,7 +199,8 @@ def gpu(args) -> None:
                 print(f"{key}: {toks / secs:.1f} tok/s ({secs:.2f} s, {1e3 * secs / toks:.3f} ms/token; "
                       f"{compiled.summary()}) [{time.perf_counter() - t0:.0f} s]", flush=True)
             if args.split and workload == "a":
-                for what, lora_names in variants:
+                for what, lora_names, rows in variants:
+                    engine.runner.extend_rows_kv = None if rows == "on" else 0
                     engine.flush_cache()
                     for i, prompt in enumerate(work):
                         engine.add_request(prompt, new, lora_name=lora_names[i] if lora_names else None)
@@ -204,22 +212,23 @@ def gpu(args) -> None:
 
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     print(f"\n{args.shape}, {dtype_name}, {where}, adapters rank {args.rank} on all seven modules")
-    print(f"{'row':<44} | {'tok/s':>9} | {'vs no LoRA':>10} | goal"
+    print(f"{'row':<58} | {'tok/s':>9} | {'vs no LoRA':>10} | goal"
           + ("  (vs the mean of both no-LoRA runs)" if args.base_again else ""))
     for key, value in results.items():
         if key.startswith("s"):
             continue
-        base_key = f"{key[0]} [no LoRA] base" + (" requests" if key[0] in "ap" else "")
+        base_what = "base" + (" requests" if key[0] in "ap" else "") + (ROWS_OFF if key.endswith(ROWS_OFF) else "")
+        base_key = f"{key[0]} [no LoRA] {base_what}"
         bases = [results[k] for k in (base_key, base_key.replace("[no LoRA]", "[no LoRA, again]")) if k in results]
         base = sum(bases) / len(bases) if bases else None
         rel = f"{value / base - 1:+.1%}" if base else ""
-        same = results.get(key.split("]")[0] + "] base" + (" requests" if key[0] in "ap" else ""))  # this engine's
+        same = results.get(key.split("]")[0] + "] " + base_what)  # this engine's
         rel += f" ({value / same - 1:+.1%} vs this engine's base)" if same and "adapter" in key else ""
         goal = {"a": ">= -15%", "b": ">= -10%"}.get(key[0], "") if "adapter" in key else ""
-        print(f"{key:<44} | {value:>9.1f} | {rel:>10} | {goal}")
+        print(f"{key:<58} | {value:>9.1f} | {rel:>10} | {goal}")
     for key, value in results.items():
         if key.startswith("s"):  # LoRA-only sync of 8 adapters
-            print(f"{key:<44} | {value:>6.2f} ms | {'':>10} | <= 5 ms")
+            print(f"{key:<58} | {value:>6.2f} ms | {'':>10} | <= 5 ms")
     if any(key.startswith("s") for key in results):
         print("  (by name xN: N calls of update_lora_adapter(name, named tensors); x1: one update_lora_adapters call;"
               "\n   flat: the trainer's LoRA parameters live in one buffer per adapter, weightsync.flat_lora_parameters;"
@@ -306,6 +315,9 @@ def main() -> None:
     parser.add_argument("--split", action="store_true",
                         help="after the timed rows of a, each variant once more step by step: its wall time split "
                              "into decode-graph steps and the rest (prefill, mixed steps)")
+    parser.add_argument("--prefill-rows", nargs="+", default=["on"], choices=["on", "off"],
+                        help="each (a)/(b)/(p) variant with small prefills as decode rows (on: the engine's default) "
+                             "and/or the eager extend layout (off)")
     parser.add_argument("--cpu", action="store_true", help="SmolLM2 against peft on the CPU")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the GPU rows (with --shape tiny)")
     parser.add_argument("--prompts", type=int, default=6)

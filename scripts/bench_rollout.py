@@ -206,6 +206,8 @@ def main() -> None:
                             "its own kernel"),
         ("--rope-epilogue", "batch 1: the rotary and the K/V store as the qkv GEMV's epilogue "
                             "(rollout.kernels.rope_epilogue) or the rotary's own launch"),
+        ("--prefill-rows", "small prefills as decode rows replaying a decode graph (ModelRunner.extend_rows_kv: "
+                           "the engine's budget) or the eager extend layout"),
     ):
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
     args = parser.parse_args()
@@ -310,9 +312,9 @@ def main() -> None:
             runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
         else:
             runs += [("auto", o == "on", True) for o in args.overlap]
-    runs = [(*run, skinny, rs, silu, rope) for rs in args.rotary_store for silu in args.silu_epilogue
-            for rope in args.rope_epilogue for skinny in args.skinny for run in runs]
-    for attention, overlap, deterministic, skinny, rotary_store, silu, rope in runs:
+    runs = [(*run, skinny, rs, silu, rope, rows) for rs in args.rotary_store for silu in args.silu_epilogue
+            for rope in args.rope_epilogue for skinny in args.skinny for rows in args.prefill_rows for run in runs]
+    for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows in runs:
         set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
                            silu=silu == "on", rope=rope == "on")
         try:
@@ -320,9 +322,10 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             continue
+        engine.runner.extend_rows_kv = None if rows == "on" else 0
         label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
                  f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}"
-                 f"{', own rotary' if rope == 'off' else ''}")
+                 f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}")
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)

@@ -26,9 +26,10 @@ def test_bench_host_prints_its_phases() -> None:
 
 def test_bench_rollout_runs_each_config_on_cpu() -> None:
     text = _run("scripts.bench_rollout", "--shape", "tiny", "--device", "cpu", "--attention", "torch",
-                "--overlap", "on", "off", "--workloads", "b")
+                "--overlap", "on", "off", "--workloads", "b", "--prefill-rows", "on", "off")
     rows = [line for line in text.splitlines() if line.startswith("b: batch 1") and "|" in line]  # the table
-    assert len(rows) == 2 and "[torch, overlap]" in rows[0] and "[torch]" in rows[1], text[-1500:]
+    assert len(rows) == 4 and "[torch, overlap]" in rows[0] and "[torch]" in rows[1], text[-1500:]
+    assert "[torch, overlap, eager prefill]" in rows[2] and "[torch, eager prefill]" in rows[3], text[-1500:]
 
 
 def test_bench_batch_invariant_smoke_on_cpu() -> None:
@@ -97,6 +98,17 @@ def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
     table = text[text.index("| goal"):]
     for way in ("by name x8", "by name x1", "flat x1", "flat+pack x1"):  # each sync path, in the table
         assert f"s: LoRA-only sync, 8 adapters, {way} " in table and "<= 5 ms" in table, table
+
+
+def test_bench_lora_prefill_rows_variants_smoke_on_cpu() -> None:
+    """--prefill-rows on off: each (b) variant both ways, each compared with its own base."""
+    text = _run("scripts.bench_lora", "--device", "cpu", "--shape", "tiny", "--workloads", "b", "--prefill-rows",
+                "on", "off")
+    table = text[text.index("| goal"):]
+    for row in ("b [no LoRA] base ", "b [no LoRA] base, eager prefill ", "b [LoRA on] 1 adapter ",
+                "b [LoRA on] 1 adapter, eager prefill "):
+        assert row in table, table
+    assert table.count("vs this engine's base") == 2, table
 
 
 def test_sgmv_bench_tables_smoke_on_cpu() -> None:
@@ -179,7 +191,10 @@ def test_bench_structured_smoke_on_cpu() -> None:
 def test_bench_first_step_smoke_on_cpu() -> None:
     """python -m scripts.bench_first_step on the tiny shape: each run's steps, then the first step alone."""
     text = _run("scripts.bench_first_step", "--device", "cpu", "--shape", "tiny", "--new", "6", "--repeats", "1",
-                "--cprofile", "3")
-    assert "run 0:" in text and "6 steps: first" in text, text
-    assert text.count("first step") == 2 and "first step (profiled): host" in text, text
+                "--cprofile", "3", "--input-len", "8", "24", "--prefill-rows", "on", "off")
+    assert "in 24, prefill rows off, run 0:" in text and "6 steps: first" in text, text
+    table = [line.split("|") for line in text.splitlines() if line.count("|") == 4][1:]  # after the header
+    assert [(row[0].strip(), row[1].strip()) for row in table] == [("8", "on"), ("8", "off"), ("24", "on"),
+                                                                    ("24", "off")], text
+    assert text.count("first step:") == 1 and "first step (profiled): host" in text, text
     assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text, text[-1500:]
