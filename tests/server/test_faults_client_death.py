@@ -37,25 +37,27 @@ def wait_for(condition, timeout_s: float, what: str):
 
 
 def test_a_dealer_that_adds_and_closes(server) -> None:
+    # 64 samples of 480 tokens: ~2.5 s of steps on a 2-core VM, far longer than the engine takes
+    # to notice the closed socket (its probe every 0.2 s); 4 samples (0.35 s) sometimes finished first
     before = server.stats()
     assert before.num_running == 0 and before.kv_used_tokens == 0
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.connect(server.address)
     header = {"v": protocol.PROTOCOL_VERSION, "id": 1, "op": "add",
-              "args": {"sampling_params": to_plain(SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True, n=4)),
+              "args": {"sampling_params": to_plain(SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True, n=64)),
                        "input_ids": list(range(1, 30))}}
     socket.send_multipart([msgpack.packb(header)])
     assert socket.poll(10_000), "no acknowledgement"
     reply = protocol.decode_message(socket.recv_multipart(), protocol.Limits())
-    assert isinstance(reply, protocol.Reply) and len(reply.result["request_ids"]) == 4
+    assert isinstance(reply, protocol.Reply) and len(reply.result["request_ids"]) == 64
     assert server.health().num_clients == 1
     wait_for(lambda: server.stats().kv_used_tokens > 0, 10, "the requests to be scheduled")
     socket.close(linger=0)
     context.term()
     stats = wait_for(lambda: (s := server.stats()).num_running + s.num_waiting == 0 and s, 5, "the engine to abort them")
     assert stats.kv_used_tokens == 0 and server.health().num_clients == 0
-    assert stats.counters["aborted_requests"] == before.counters["aborted_requests"] + 4
+    assert stats.counters["aborted_requests"] == before.counters["aborted_requests"] + 64
 
 
 CLIENT = textwrap.dedent("""
