@@ -23,6 +23,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, nargs="+", default=[128])
     p.add_argument("--prefill-rows", nargs="+", default=["on"], choices=["on", "off"],
                    help="the prefill as decode rows (a graph replay; on: the engine's default) or eager")
+    p.add_argument("--rows-budget", type=int, default=None,
+                   help="with --prefill-rows on: ModelRunner.extend_rows_kv (default: the engine's, EXTEND_ROWS_KV); "
+                        "a larger one times longer prompts as rows (the budget's crossover)")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
@@ -47,7 +50,7 @@ def main() -> None:
         return torch.randint(100, vocab - 100, (length,), generator=g).tolist()
 
     def rows(mode: str) -> None:  # as the engine decides (its budget), or never
-        engine.runner.extend_rows_kv = None if mode == "on" else 0
+        engine.runner.extend_rows_kv = args.rows_budget if mode == "on" else 0
 
     engine.generate(input_ids=[prompt(n) for n in args.input_len], sampling_params=params)  # warm-up, untimed
     table = []
