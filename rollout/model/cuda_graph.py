@@ -4,7 +4,8 @@ A decode-only step of batch b replays the graph of the smallest captured size >=
 graph reads static buffers (token ids, positions, KV slots, ragged KV indices) that each
 replay overwrites; padded rows decode a dummy token at slot 0 (the reserved padding page)
 over a KV of length 1 at slot 0, so they never touch a live request's KV. Logits come out
-for every row; the caller keeps the first b.
+for every row; the caller keeps the first b (a step of prefill tokens laid out as decode
+rows then keeps the rows that sample: rollout/model/runner.py).
 
 Needs an attention backend whose kernels read only device tensors at replay (`graphable`):
 Triton (KV split count fixed at capture, reads the static index buffers here) or
