@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--apart", action="store_true",
                         help="with --lora at batch 1: the adapter's kernels apart from the GEMV, not its expand in "
                              "the GEMV's epilogue (lora.pool.ONE_ROW_EPILOGUE = False)")
+    parser.add_argument("--max-running", type=int, default=None,
+                        help="EngineConfig.max_running_requests and cuda_graph_max_bs (default: the batch): the "
+                             "benchmarks' engines use 512, which captures graphs up to 512 rows")
     args = parser.parse_args()
     from rollout import kernels
 
@@ -60,8 +63,9 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device, load_format="dummy",
-                                 page_size=16, max_running_requests=max(args.batch, 1), gpu_memory_fraction=0.6,
-                                 cuda_graph=not args.no_graph, cuda_graph_max_bs=max(args.batch, 1),
+                                 page_size=16, max_running_requests=args.max_running or max(args.batch, 1),
+                                 gpu_memory_fraction=0.6, cuda_graph=not args.no_graph,
+                                 cuda_graph_max_bs=args.max_running or max(args.batch, 1),
                                  attention=args.attention, overlap_schedule=args.overlap,
                                  deterministic=args.deterministic, max_prefill_tokens=args.max_prefill_tokens,
                                  enable_lora=args.lora > 0, max_loras_per_batch=max(args.lora, 1), max_lora_rank=16))
