@@ -18,16 +18,22 @@ from rollout.model.cuda_graph import DecodeGraphs
 from lora.segments import plan_segments
 from rollout.model.forward_batch import ForwardBatch, LoraInputs
 from rollout.model.llama import LlamaModel
+from rollout.request import Req
 from rollout.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from lora.pool import LoraPool
 
 # The default budget of KV tokens that prefill rows may read (ModelRunner.extend_rows_kv):
-# a 128-token prompt alone reads 8256, a 362-token one 65703. On an H200 (8B shape, bf16)
-# a 128-token prefill took 20-33 ms of host-bound eager launches for 5.3 ms of kernels
-# (BENCHMARKS.md, "Batch 1, session 7"); as rows it replays one graph.
+# a 128-token prompt alone reads 8256, a 362-token one 65703. On an H200 (8B shape, bf16) a
+# 128-token prefill took ~36 ms of host-bound eager launches, one graph replay as rows; rows
+# won up to 384-token prompts and drew level near 450 (BENCHMARKS.md, "Batch 1, session 10").
 EXTEND_ROWS_KV = 65536
+
+
+def _decode(req: Req, n: int) -> bool:
+    """Is this request's part of the step a plain decode: one new token, its last known one?"""
+    return n == 1 and bool(req.output_ids) and req.num_computed_tokens + 1 == req.seq_len
 
 
 class ModelRunner:
@@ -75,7 +81,7 @@ class ModelRunner:
             if req.num_inflight:
                 inflight.append((num_tokens, req.req_pool_idx))
                 input_ids.append(0)
-            elif n == 1 and req.output_ids and end == req.seq_len:
+            elif _decode(req, n):
                 input_ids.append(req.output_ids[-1])  # decode: skip building all_ids
             elif req.draft_tokens:  # verify: the last token, then the drafts
                 input_ids.extend(req.all_ids[start:] + req.draft_tokens)
@@ -124,7 +130,7 @@ class ModelRunner:
             elif req.num_inflight:
                 if n != 1:
                     return False  # only a decode has a token in flight
-            elif not (n == 1 and req.output_ids and req.num_computed_tokens + 1 == req.seq_len):
+            elif not _decode(req, n):
                 extend_kv += n * req.num_computed_tokens + n * (n + 1) // 2  # a prefill chunk: its rows' KV
             rows += n
         graph_rows = self.graphs.max_bs if self.graphs is not None else 1 << 30
@@ -158,7 +164,7 @@ class ModelRunner:
             if req.num_inflight:  # a decode whose token the host has not seen yet
                 inflight.append((len(input_ids), req.req_pool_idx))
                 input_ids.append(0)
-            elif req.draft_tokens or (n == 1 and req.output_ids and start + 1 == req.seq_len):
+            elif req.draft_tokens or _decode(req, n):
                 input_ids.append(req.output_ids[-1])  # a decode or a verify: skip building all_ids
                 input_ids.extend(req.draft_tokens)
             else:
