@@ -170,10 +170,9 @@ class ModelRunner:
             else:
                 input_ids.extend(req.all_ids[start : start + n])
             out_locs.append(row[start : start + n])
-            for end in range(start + 1, start + n + 1):
-                positions.append(end - 1)
-                seq_lens.append(end)
-                kv_parts.append(row[:end])
+            positions.extend(range(start, start + n))
+            seq_lens.extend(range(start + 1, start + n + 1))
+            kv_parts.extend(row[:end] for end in range(start + 1, start + n + 1))
             if batch.produces_token(i):  # one row per draft position, plus the last
                 logits_indices.extend(range(len(input_ids) - 1 - len(req.draft_tokens), len(input_ids)))
         rows = len(input_ids)
