@@ -20,6 +20,7 @@ both land in a fresh directory under ~/.cache/rollout-engine/runs/ ($ROLLOUT_CAC
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from collections.abc import Sequence
@@ -176,6 +177,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         if wandb_sink is not None:
             hint = f"  (upload: wandb sync {wandb_sink.run_dir})" if wandb_sink.mode == "offline" else ""
             print(f"W&B {wandb_sink.mode} run: {wandb_sink.run_dir}{hint}")
+    # The DDP wrapper holds the process group: drop it (and the engine) first, so the group's
+    # gloo threads are joined by destroy_process_group while the interpreter is whole. CI once
+    # saw rank 0 abort at exit ("terminate called without an active exception") after a
+    # finished run, with the trainer still alive past the group's destruction.
+    del trainer, engine, policy
+    gc.collect()
     close_world(world)
     return records
 

@@ -123,7 +123,9 @@ class AsyncRolloutClient:
     async def add_request(self, input_ids: Sequence[int] | None = None, sampling_params: SamplingParams | None = None,
                           *, prompt: str | None = None, request_id: str | None = None, lora_name: str | None = None,
                           timeout: float | None = None) -> list[str]:
-        call_id = await self._send(core.add_request(input_ids, sampling_params, prompt, request_id, lora_name, stream=False))
+        request = core.add_request(input_ids, sampling_params, prompt, request_id, lora_name, stream=False)
+        self._adds.check_free(request)
+        call_id = await self._send(request)
         try:
             ids = await self._finish(call_id, "add", timeout, keep=True)
         except BaseException as error:

@@ -137,7 +137,11 @@ class RolloutClient:
                     prompt: str | None = None, request_id: str | None = None, lora_name: str | None = None,
                     timeout: float | None = None) -> list[str]:
         """Queue one prompt; returns its samples' request ids. Their outputs: get_outputs()."""
-        call_id = self._send(core.add_request(input_ids, sampling_params, prompt, request_id, lora_name, stream=False))
+        request = core.add_request(input_ids, sampling_params, prompt, request_id, lora_name, stream=False)
+        with self._lock:
+            self._collect_adds()
+            self._adds.check_free(request)
+        call_id = self._send(request)
         try:
             ids = self._finish(call_id, "add", timeout, keep=True)
         except BaseException as error:

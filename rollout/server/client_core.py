@@ -268,6 +268,18 @@ class OpenAdds:
             if not left:
                 self.pending.pop(call_id, None)
 
+    def check_free(self, request: protocol.Add) -> None:
+        """Refuse an id this client still owes an output for (running, or arrived and not yet
+        handed out): the engine only knows the running ones, and a request that finished
+        before the second add arrived would otherwise be accepted twice under one id."""
+        base, n = request.request_id, request.sampling_params.n
+        if base is None:
+            return
+        ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+        held = set(self.finished).union(*self.pending.values())
+        if any(rid in held for rid in ids):
+            raise ValueError(f"request id {base!r} is already in use")
+
     def raise_errors(self) -> None:
         if self.errors:
             raise self.errors.pop(0)

@@ -99,6 +99,22 @@ def test_abort_and_poll_outputs(server) -> None:
     assert wait_idle(server).kv_used_tokens == 0
 
 
+def test_request_id_held_until_handed_out(server) -> None:
+    """As the sync client: a finished request's id stays taken until its output is collected."""
+    async def body(client):
+        ids = await client.add_request([1, 2, 3], SAMPLED, request_id="held-async")
+        while (await client.stats()).num_running:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ValueError, match="'held-async' is already in use"):
+            await client.add_request([1, 2, 3], SAMPLED, request_id="held-async")
+        first = await client.get_outputs(ids, timeout=30)
+        again = await client.get_outputs(await client.add_request([1, 2, 3], SAMPLED, request_id="held-async"), timeout=30)
+        return first, again
+
+    first, again = _run(server, body)
+    assert [o.request_id for o in first + again] == ["held-async"] * 2 and first[0].token_ids == again[0].token_ids
+
+
 @pytest.mark.parametrize("how", ["cancel generate", "leave stream"])
 def test_giving_up_aborts_and_frees_kv(server, how) -> None:
     async def body(client):

@@ -4,6 +4,8 @@ sending or the engine process refuses them; a refused batch leaves nothing queue
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from server_fixtures import reference, server, text_model  # noqa: F401 (fixtures)
@@ -65,12 +67,30 @@ def test_add_request_refusals_name_the_field(server, reference) -> None:
         want = _raised(lambda: reference.add_request(**kwargs))
         got = _raised(lambda: server.add_request(**kwargs))
         assert type(got) is type(want) and str(got) == str(want), (kwargs, got, want)
-    # a request id in use: refused by the engine, the first one keeps running
+    # a request id in use: refused, the first one keeps running
     ids = server.add_request([1, 2, 3], G, request_id="dup")
     with pytest.raises(ValueError, match="dup"):
         server.add_request([1, 2, 3], G, request_id="dup")
     assert [o.request_id for o in server.get_outputs(ids, timeout=30)] == ["dup"]
     assert server._boxes == {}, "a refused add left its mailbox open"
+
+
+def test_request_id_held_until_its_output_is_handed_out(server) -> None:
+    """The engine forgets a request once it finishes; the client still owes its output, so
+    the id stays taken until get_outputs / poll_outputs hands it out (CI once saw a 4-token
+    request finish before the second add reached the engine, and both were accepted)."""
+    pair = SamplingParams(temperature=0, max_new_tokens=4, n=2, ignore_eos=True)
+    ids = server.add_request([1, 2, 3], G, request_id="held") + server.add_request([1, 2], pair, request_id="pair")
+    deadline = time.monotonic() + 30
+    while (server.stats().num_running or server.stats().num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for rid, params in (("held", G), ("pair", pair), ("pair-1", G)):
+        with pytest.raises(ValueError, match=f"'{rid}' is already in use"):
+            server.add_request([1, 2, 3], params, request_id=rid)
+    assert [o.request_id for o in server.get_outputs(ids, timeout=30)] == ["held", "pair-0", "pair-1"]
+    again = server.add_request([1, 2, 3], G, request_id="held")  # handed out: free again
+    assert [o.request_id for o in server.get_outputs(again, timeout=30)] == ["held"]
+    assert server.poll_outputs() == [] and server._boxes == {}
 
 
 def test_other_calls_refuse_bad_values(server) -> None:
