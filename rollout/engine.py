@@ -218,7 +218,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if writes is not None:
             self.kv.flush()
             if self.drafter is not None:
-                self.drafter.on_weight_update()
+                self.drafter.policy_changed()
             self.memory.weights_discarded = False
             self.weight_version += 1
         if draft_writes is not None:

@@ -80,8 +80,22 @@ class Drafter(ABC):
     def observe_finished(self, req: Req) -> None:
         """A request finished (its tokens may draft for later requests)."""
 
+    def policy_changed(self, lora_name: str | None = None) -> None:
+        """The target's weights changed, or (lora_name) one adapter's: what the engine calls.
+        The governor measures afresh, then the drafter's own hook."""
+        if self.governor is not None:
+            self.governor.restart()
+        if lora_name is None:
+            self.on_weight_update()
+        else:
+            self.on_adapter_update(lora_name)
+
     def on_weight_update(self) -> None:
         """The policy changed (drafters holding history decide whether to keep it)."""
+
+    def on_adapter_update(self, lora_name: str) -> None:
+        """The policy under one adapter changed (a draft model drafts without adapters: it is
+        not made stale by one)."""
 
     def release(self) -> None:
         """Drop every device resource tied to requests (the engine goes to sleep)."""

@@ -61,6 +61,14 @@ class SpeedGovernor:
         else:  # both modes short of samples: alternate, so they are timed on the same batch
             self.drafting = not mode
 
+    def restart(self) -> None:
+        """The policy changed (a weight update): the last verdict was about another model's
+        acceptance. Probe at once, and an off verdict starts again from the short hold: an RL
+        policy sharpens step by step, and a governor that switched drafting off on epoch 1's
+        diffuse policy would otherwise sit out up to MAX_OFF steps of a sharper one."""
+        self._off_length = self.first_off
+        self._start_probe()
+
     def _start_probe(self) -> None:
         self.probing, self.drafting = True, True
         for mode in (True, False):

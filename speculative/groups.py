@@ -13,6 +13,7 @@ Whatever leaves (an evicted response, an aborted or retracted member) leaves the
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from collections.abc import Hashable
 
 from rollout.request import Req
@@ -24,8 +25,16 @@ HISTORY_PER_PROMPT = 16  # earlier responses kept per prompt (the newest)
 def prompt_key(req: Req) -> Hashable:
     key = req.cache_key
     if hasattr(key, "version"):  # an adapter: its rollouts draft across its versions too
-        key = (key.namespace, key.lora_name)
+        key = AdapterGroup(key.namespace, key.lora_name)
     return (key, tuple(req.prompt_ids))
+
+
+@dataclass(frozen=True)
+class AdapterGroup:
+    """The namespace part of an adapter's prompt keys (its version left out)."""
+
+    namespace: str | None
+    lora_name: str
 
 
 class PromptGroup:
@@ -137,12 +146,12 @@ class History:
         group = self._groups.get(prompt_key(req))
         return list(group.responses) if group is not None else []
 
-    def clear(self) -> None:
-        """Forget every finished response (running members re-count into fresh groups)."""
-        for group in self._groups.values():
-            group.evicted = True
-        self._groups.clear()
-        self.num_tokens = 0
+    def clear(self, lora_name: str | None = None) -> None:
+        """Forget finished responses: every prompt's, or (lora_name) those made under that
+        adapter only. Running members re-count into fresh groups."""
+        for key, group in list(self._groups.items()):
+            if lora_name is None or isinstance(key[0], AdapterGroup) and key[0].lora_name == lora_name:
+                self._evict(group)
 
     def _bound(self, spare: PromptGroup) -> None:
         """Drop least recently used prompts' histories until the bound holds (the prompt

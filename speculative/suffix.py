@@ -71,3 +71,7 @@ class SuffixDrafter(Drafter):
     def on_weight_update(self) -> None:
         if not self.keep_on_update:
             self.history.clear()
+
+    def on_adapter_update(self, lora_name: str) -> None:
+        if not self.keep_on_update:
+            self.history.clear(lora_name)

@@ -5,6 +5,8 @@ length policy and the governor."""
 
 from __future__ import annotations
 
+import pytest
+
 from rollout.request import Req, SamplingParams
 from speculative.base import PAUSE_STEPS
 from speculative.groups import HISTORY_PER_PROMPT
@@ -117,6 +119,26 @@ def test_history_is_bounded_and_cleared_on_update_when_asked() -> None:
     assert keep.history.num_tokens == 4
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_adapter_update_clears_that_adapters_history_only(keep: bool) -> None:
+    """keep_on_update=False drops what the updated adapter's old policy sampled; the base
+    model's and other adapters' rollouts (same prompt) still draft. Either way the governor
+    measures afresh."""
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000, keep_on_update=keep)
+    for lora in (None, "a", "b"):
+        drafter.observe_finished(_req([1], [2, 3, 4], rid=f"done-{lora}", lora=lora))
+    drafter.governor.drafting = drafter.governor.probing = False  # held off by an earlier verdict
+    drafter.policy_changed("a")
+    assert drafter.governor.drafting and drafter.governor.probing
+    drafts = {}
+    for lora in (None, "a", "b"):
+        req = _req([1], [2, 3], rid=f"new-{lora}", lora=lora)
+        drafter.propose_all([req])
+        drafts[lora] = req.draft_tokens
+    assert drafts == {None: [4], "a": [4] if keep else [], "b": [4]}
+    assert drafter.history.num_tokens == (12 if keep else 8)  # prompt + response, 4 tokens each
+
+
 def test_siblings_that_stop_running_take_their_counts_and_finished_ones_stay() -> None:
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000)
     prompt = [50, 51]
@@ -173,6 +195,14 @@ def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_a
     assert modes.count(False) > 3 * modes.count(True) and modes.count(True) >= 6, modes  # probed now and then
     back = run(60, 100, 50)[-30:]  # when speculation wins again it comes back (probed every 10 steps)
     assert back.count(True) >= 24 and back[-10:].count(True) >= 8, back
+
+    run(40, 30, 50)  # plain decoding wins again and again: its holds have grown
+    while gov.probing or gov.drafting:
+        run(1, 30, 50)
+    assert gov._off_length > gov.first_off
+    gov.restart()  # a weight update: the verdict was about the old policy
+    assert gov.drafting and gov.probing and gov._off_length == gov.first_off
+    assert run(4, 100, 50) == [True, False, True, False] and run(3, 100, 50) == [True] * 3, "measured at once"
 
     early = SpeedGovernor(probe=2, hold_on=6, first_off=4)
     for _ in range(5):  # drafting on, but nothing repeats yet: these steps are plain decoding's

@@ -126,6 +126,29 @@ def test_lora_requests_and_weight_updates_keep_outputs_exact(llama: TinyModel) -
     assert spec.counters.accepted_tokens > 0
 
 
+def test_updates_restart_the_governor_and_honour_the_history_option(llama: TinyModel) -> None:
+    """A base or adapter update makes the governor measure afresh (it may have switched
+    drafting off on the old policy); with keep_history_on_update=False an adapter update
+    drops that adapter's rollouts only."""
+    engine = Engine(EngineConfig(model=llama.path, enable_lora=True, max_lora_rank=8, speculative="suffix",
+                                 speculative_keep_history_on_update=False))
+    engine.load_lora_adapter("a", tensors=_adapter(llama, 1), config=dict(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    prompts = _repetitive(llama.vocab_size, 2, seed=75)
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    engine.generate(input_ids=prompts, sampling_params=params, lora_name=["a", None])
+    history = engine.drafter.history
+    assert len(history) == 2
+    governor = engine.drafter.governor
+    governor.drafting = governor.probing = False
+    engine.update_lora_adapter("a", _adapter(llama, 2).items())
+    assert governor.drafting and governor.probing
+    (left,) = history._groups  # the base model's prompt; the adapter's is gone
+    assert left == (None, tuple(prompts[1]))
+    governor.drafting = governor.probing = False
+    engine.update_weights([("model.norm.weight", llama.hf.model.norm.weight.detach() * 1.1)])
+    assert governor.drafting and governor.probing and len(history) == 0
+
+
 
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 def test_sampled_outputs_with_coupled_drafts_equal_plain_decoding(llama: TinyModel, drafter: str, monkeypatch) -> None:
