@@ -63,6 +63,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-alpha", type=finite_float(0.0, above=True), default=32.0)
     p.add_argument("--sync", choices=("auto", "adapter", "full"), default="auto",
                    help="auto: LoRA-only sync for --lora, every weight otherwise")
+    p.add_argument("--dataset-size", type=int_at_least(0), default=0,
+                   help="a fixed dataset of N problems walked epoch after epoch (0: fresh problems every step)")
+    p.add_argument("--speculative", choices=("none", "ngram", "suffix"), default="none",
+                   help="speculative decoding in the engine; suffix drafts from earlier rollouts of the same prompt "
+                        "(kept across weight updates), which a multi-epoch --dataset-size brings back")
     p.add_argument("--max-operand", type=int_at_least(1), default=9, help="arithmetic: operands in 1..N")
     p.add_argument("--system-prompt", default="Answer briefly.",
                    help="arithmetic: the system turn ('default': the chat template's own, longer)")
@@ -91,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     from rollout import Engine, EngineConfig
     from rollout.model.fetch import CACHE_ROOT, fetch_default_model
     from rollout.model.shapes import SHAPES, write_shape_dir
-    from rollout.rl import (ArithmeticTask, EvenTokenTask, GRPOConfig, GRPOTrainer, LoraSpec, LossConfig, init_world,
-                            load_policy, run_grpo)
+    from rollout.rl import (ArithmeticTask, Epochs, EvenTokenTask, GRPOConfig, GRPOTrainer, LoraSpec, LossConfig,
+                            init_world, load_policy, run_grpo)
     from rollout.rl.console import ConsoleTable
     from rollout.rl.telemetry import JsonlSink, WandbSink, resolve_wandb_mode
     from rollout.rl.world import close_world
@@ -124,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         engine = Engine(EngineConfig(model=model_dir, dtype=args.dtype, device=str(device), page_size=16,
                                      seed=args.seed, enable_lora=adapter_sync, max_loras_per_batch=1,
                                      gpu_memory_fraction=args.kv_memory_fraction,
-                                     max_lora_rank=args.lora_rank, load_format="dummy" if random_weights else "auto"))
+                                     max_lora_rank=args.lora_rank, load_format="dummy" if random_weights else "auto",
+                                     speculative=None if args.speculative == "none" else args.speculative))
         policy = load_policy(model_dir, dtype=DTYPES[args.dtype], device=device, lora=lora,
                              random_seed=args.seed if random_weights else None)
         task_name = args.task if args.task != "auto" else "arithmetic" if engine.tokenizer is not None else "even-tokens"
@@ -133,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             task = ArithmeticTask(max_operand=args.max_operand, seed=args.seed, system_prompt=system)
         else:
             task = EvenTokenTask(vocab_size=engine.model_config.vocab_size, seed=args.seed)
+        if args.dataset_size:
+            task = Epochs(task, args.dataset_size)
         trainer = GRPOTrainer(engine, policy, task, config, world, sync=args.sync, initial_sync=random_weights)
 
     console = ConsoleTable()
@@ -145,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         mode = resolve_wandb_mode(args.wandb_mode)
         if mode != "disabled":
             run_config = {**config.as_dict(), "model": model_dir, "task": task.name, "lora": args.lora,
+                          "speculative": args.speculative,
                           "sync": "lora-only" if trainer.sync.lora_name else "full", "world_size": world.size,
                           "device": args.device, "dtype": args.dtype}
             try:

@@ -16,11 +16,11 @@ from rollout.rl.grpo import GRPOConfig, GRPOTrainer, run_grpo
 from rollout.rl.loss import LossConfig, grpo_loss
 from rollout.rl.mismatch import mismatch_metrics
 from rollout.rl.policy import AdapterSync, FullSync, LoraSpec, load_policy, make_sync
-from rollout.rl.tasks import ArithmeticTask, EvenTokenTask, Problem, Task
+from rollout.rl.tasks import ArithmeticTask, Epochs, EvenTokenTask, Problem, Task
 from rollout.rl.world import World, init_world
 
 __all__ = [
-    "AdapterSync", "ArithmeticTask", "EvenTokenTask", "FullSync", "GRPOConfig", "GRPOTrainer", "LoraSpec",
+    "AdapterSync", "ArithmeticTask", "Epochs", "EvenTokenTask", "FullSync", "GRPOConfig", "GRPOTrainer", "LoraSpec",
     "LossConfig", "Problem", "Task", "World", "group_advantages", "grpo_loss", "init_world", "load_policy",
     "make_sync", "mismatch_metrics", "run_grpo",
 ]

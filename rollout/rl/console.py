@@ -14,6 +14,7 @@ COLUMNS = (
     ("len", 5, "response_length/mean", "{:.1f}"),
     ("tok/s", 6, "rollout/tokens_per_s", "{:.0f}"),
     ("hit", 4, "rollout/prefix_cache_hit_rate", "{:.0%}"),
+    ("acc/v", 5, "rollout/spec_accepted_per_verify", "{:.2f}"),  # speculation: drafts accepted per verify ("-": off)
     ("sync ms", 7, "weight_sync/ms", "{:.0f}"),
     ("|dlogp| max", 11, "training/rollout_logprobs_abs_diff_max", "{:.1e}"),
     ("k3 KL", 7, "rollout_corr/k3_kl", "{:.0e}"),

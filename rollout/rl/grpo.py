@@ -169,6 +169,7 @@ class GRPOTrainer:
                                  n=cfg.samples_per_prompt, seed=sample_seed(cfg.seed, step, i)) for i in share]
         counters = self.engine.counters
         prompt_before, cached_before = counters.prompt_tokens, counters.cached_prompt_tokens
+        spec_before = counters.drafted_tokens, counters.accepted_tokens, counters.verify_steps
         start = time.perf_counter()
         outputs = self.engine.generate(input_ids=prompt_ids, sampling_params=params, lora_name=self.sync.lora_name)
         seconds = time.perf_counter() - start
@@ -179,7 +180,10 @@ class GRPOTrainer:
         prompt_tokens = world.sum(counters.prompt_tokens - prompt_before)
         cached = world.sum(counters.cached_prompt_tokens - cached_before)
         total_tokens = world.sum(tokens)
+        drafted, accepted, verifies = (world.sum(now - before) for now, before in zip(
+            (counters.drafted_tokens, counters.accepted_tokens, counters.verify_steps), spec_before))
         return outputs, {
+            "spec_drafted": drafted, "spec_accepted": accepted, "spec_verifies": verifies,
             "seconds": slowest,
             "tokens": total_tokens,
             "tokens_per_s": total_tokens / slowest if slowest > 0 else 0.0,
@@ -282,6 +286,17 @@ class GRPOTrainer:
             "rollout/weight_version_lag_max": float(lag.max()) if lag.numel() else 0.0,
             "perf/world_size": world.size,
         }
+        if getattr(getattr(self.engine, "config", None), "speculative", None) is not None:
+            # what speculation did this step: drafts per verify step and the share accepted;
+            # tokens per request-step = 1 + accepted / (tokens - accepted) (spec_accepted_per_step)
+            verifies, drafted, accepted = rollout["spec_verifies"], rollout["spec_drafted"], rollout["spec_accepted"]
+            record.update({
+                "rollout/spec_drafted_tokens": drafted,
+                "rollout/spec_accepted_tokens": accepted,
+                "rollout/spec_accepted_per_verify": accepted / verifies if verifies else 0.0,
+                "rollout/spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "rollout/spec_accepted_per_step": accepted / max(rollout["tokens"] - accepted, 1),
+            })
         record.update(train)
         record.update(mismatch_metrics(trainer_lp, rollout_lp, cfg.loss.tis_cap))
         if cfg.samples_every and (step == 1 or step % cfg.samples_every == 0) and world.is_main:

@@ -110,3 +110,32 @@ class EvenTokenTask:
     def reward(self, problem: Problem, output: RolloutOutput) -> float:
         ids = output.token_ids
         return sum(1 for t in ids if t % 2 == 0) / len(ids) if ids else 0.0
+
+
+@dataclass(frozen=True)
+class Epochs:
+    """A fixed dataset of `size` problems of `task`, walked in order and again once used up:
+    step s takes problems s*count .. s*count+count-1 (mod size). RL recipes train several
+    epochs over one dataset, so the same prompts come back under a newer policy (what the
+    suffix drafter's rollout history feeds on: speculative/suffix.py)."""
+
+    task: Any  # a Task
+    size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"Epochs.size={self.size!r}: must be an int >= 1")
+
+    @property
+    def name(self) -> str:
+        return f"{self.task.name} (a dataset of {self.size})"
+
+    def problems(self, step: int, count: int) -> list[Problem]:
+        pool = self.task.problems(0, self.size)
+        return [pool[(step * count + i) % self.size] for i in range(count)]
+
+    def prompt_ids(self, problem: Problem, tokenizer: Any) -> list[int]:
+        return self.task.prompt_ids(problem, tokenizer)
+
+    def reward(self, problem: Problem, output: RolloutOutput) -> float:
+        return self.task.reward(problem, output)

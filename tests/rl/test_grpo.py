@@ -128,6 +128,29 @@ def test_lora_adapter_sync_and_mini_batches(tiny: TinyModel, tmp_path: Path) -> 
     assert all(r["actor/ppo_kl"] != 0 for r in records)
 
 
+def test_epochs_with_speculation_keep_the_trainer_exact(tiny: TinyModel, tmp_path: Path) -> None:
+    """A dataset of 4 problems walked epoch after epoch with the suffix drafter: the same
+    prompts come back under the updated policy; speculation reports what it did each step
+    and changes nothing the trainer sees: the run equals the one without it (the same seeded
+    tokens, so the same rewards and updates), log-probs the trainer's to 1e-4."""
+    def run(spec: str) -> list[dict]:
+        return grpo_script.main(["--model", tiny.path, *ARGS, "--steps", "3", "--dataset-size", "4",
+                                 "--speculative", spec, "--run-dir", str(tmp_path / spec), "--wandb-mode", "disabled"])
+
+    records, plain = run("suffix"), run("none")
+    assert [r["weight_sync/version"] for r in records] == [1, 2, 3]
+    for r, p in zip(records, plain, strict=True):
+        assert r["training/rollout_logprobs_abs_diff_max"] < 1e-4
+        for key in ("rollout/tokens", "critic/rewards/mean", "response_length/mean"):
+            assert r[key] == p[key], key
+        assert r["actor/grad_norm"] == pytest.approx(p["actor/grad_norm"], rel=1e-4)
+        assert 0 <= r["rollout/spec_accepted_tokens"] <= r["rollout/spec_drafted_tokens"]
+        if r["rollout/spec_drafted_tokens"]:
+            assert r["rollout/spec_acceptance_rate"] == r["rollout/spec_accepted_tokens"] / r["rollout/spec_drafted_tokens"]
+        assert "rollout/spec_drafted_tokens" not in p
+    assert sum(r["rollout/spec_drafted_tokens"] for r in records[1:]) > 0, "later epochs draft from earlier ones"
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_random_weight_shape_gets_an_initial_sync(tmp_path: Path, lora: bool) -> None:
     """A benchmark shape (config.json only): the engine loads dummy weights, the policy its

@@ -6,7 +6,7 @@ import pytest
 
 from rollout.request import RolloutOutput
 from rollout.rl.rewards import answer_only_format, arithmetic_reward, correct_answer, is_bare_integer, last_integer
-from rollout.rl.tasks import ArithmeticTask, EvenTokenTask
+from rollout.rl.tasks import ArithmeticTask, Epochs, EvenTokenTask
 
 
 def _output(text: str | None = None, token_ids: list[int] | None = None) -> RolloutOutput:
@@ -79,6 +79,18 @@ def test_arithmetic_task_prompt_uses_the_chat_template() -> None:
     assert task.prompt_ids(problem, Tok()) == [len("system:Be brief."), len(f"user:{problem.prompt}")]
     with pytest.raises(ValueError, match="tokenizer"):
         task.prompt_ids(problem, None)
+
+
+def test_epochs_walk_one_dataset_in_order_and_wrap() -> None:
+    task = EvenTokenTask(vocab_size=50, prompt_len=4, seed=1)
+    pool = task.problems(0, 5)
+    epochs = Epochs(task, 5)
+    assert epochs.problems(0, 3) == pool[:3] and epochs.problems(1, 3) == [pool[3], pool[4], pool[0]]
+    assert epochs.problems(5, 5) == pool  # step 5 of 5 per step: the sixth epoch, in the same order
+    assert epochs.reward(pool[0], _output(token_ids=[2, 4])) == task.reward(pool[0], _output(token_ids=[2, 4]))
+    assert "dataset of 5" in epochs.name
+    with pytest.raises(ValueError, match="Epochs.size=0"):
+        Epochs(task, 0)
 
 
 def test_even_token_task() -> None:
