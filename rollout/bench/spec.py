@@ -20,13 +20,29 @@ from rollout.request import Req, SamplingParams
 from speculative.noise import position_key, race_noise
 
 # H200, Llama-3.1-8B shape, bf16, ms per step (BENCHMARKS.md, "verify-step cost against a
-# decode step", first call, 2026-12-01): batch -> (decode with overlap on, verify k = 1..4
-# as decode rows in a CUDA graph)
+# decode step", re-measured 2026-12-02 on the tree with the one-row batch-1 path, which the
+# verify rows do not take): batch -> (decode with overlap on, verify k = 1..4 as decode rows
+# in a CUDA graph). (2026-12-01: batch 1 5.76 and 6.78 / 6.29 / 6.28 / 6.33; 16 6.31 and
+# 7.16 / 8.67 / 7.96 / 8.47; 64 8.63 and 11.41 / 14.77 / 15.56 / 17.68.)
 H200_STEP_MS: dict[int, tuple[float, tuple[float, ...]]] = {
-    1: (5.76, (6.78, 6.29, 6.28, 6.33)),
-    16: (6.31, (7.16, 8.67, 7.96, 8.47)),
-    64: (8.63, (11.41, 14.77, 15.56, 17.68)),
+    1: (4.37, (6.45, 6.58, 6.54, 6.75)),
+    64: (9.91, (15.10, 17.64, 19.23, 21.59)),
 }
+
+
+# the same call's plain decode with overlap off (what a step without drafts costs while
+# speculating: overlap is off then)
+H200_DECODE_NO_OVERLAP_MS: dict[int, float] = {1: 5.08, 64: 12.63}
+
+
+def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: int) -> float:
+    """H200 batch-1 decode speedup from a step trace: `verifies` holds the number of drafts
+    each verify step checked, `plain_steps` the steps that drafted nothing (overlap off),
+    `decode_steps` the steps plain decoding (overlap on) takes for the same tokens. At batch
+    1 every step is one request's, so this is the table's cost of each step as it ran."""
+    decode, verify = H200_STEP_MS[1]
+    cost = sum(verify[min(k, len(verify)) - 1] for k in verifies) + plain_steps * H200_DECODE_NO_OVERLAP_MS[1]
+    return decode_steps * decode / cost if cost else 1.0
 
 
 def _table_speedup(accepted: float, batch: int) -> float:
