@@ -180,6 +180,14 @@ class EngineConfig:
         so the host must have read them before it schedules."""
         if self.speculative is not None:
             return False
+        return self.overlap_plain
+
+    @property
+    def overlap_plain(self) -> bool:
+        """Overlap scheduling for steps that draft nothing because the speculation governor
+        turned drafting off (and for every step without speculation): plain decoding as fast
+        as it runs without speculation, which is what "never slower than off" is against
+        (H200, batch 1: 4.37 ms a step with overlap, 5.08 without; BENCHMARKS.md)."""
         return self.device.startswith("cuda") if self.overlap_schedule is None else self.overlap_schedule
 
     @property

@@ -21,6 +21,7 @@ length measured on the CPU rows.
     python -m scripts.bench_spec --host-only
     python -m scripts.bench_spec --grpo-epochs [--dataset-size 64 --epochs 2 --k 8 --batch1-k 4 8]
     python -m scripts.bench_spec --gpu [--batches 1 64 --max-k 8 --no-eager --no-draft-model]
+    python -m scripts.bench_spec --gpu-governor [--batches 1 64]   (rollout/bench/spec_governor.py)
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _drafter(engine, variant: Variant):
         return None
     drafter = make_drafter(dataclasses.replace(engine.config, speculative=variant.speculative), engine.context_len)
     drafter.coupled = variant.coupled
-    drafter.governor = {"paired": SpeedGovernor, "windowed": WindowedGovernor, "off": lambda: None}[variant.governor]()
+    paired = lambda: SpeedGovernor(blocks=engine.config.overlap_plain)  # noqa: E731 (as make_drafter builds it)
+    drafter.governor = {"paired": paired, "windowed": WindowedGovernor, "off": lambda: None}[variant.governor]()
     return drafter
 
 
@@ -353,6 +355,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="--grpo-epochs: num_speculative_tokens")
     parser.add_argument("--governor", choices=("off", "on"), default="off",
                         help="--grpo-epochs: off drafts every step (the drafts' own acceptance)")
+    parser.add_argument("--gpu-governor", action="store_true",
+                        help="plain decoding against speculation with its governor, poor and good drafts (GPU shape)")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--device", default="cuda", help="--gpu: the device (cpu: a smoke run of the GPU table)")
@@ -370,6 +374,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.host_only:
         host(args)
+    elif args.gpu_governor:
+        from rollout.bench.spec_governor import run
+
+        run(args)
     elif args.grpo_epochs:
         from rollout.bench.spec_grpo import grpo_epochs
 

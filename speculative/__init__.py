@@ -17,12 +17,15 @@ The two history drafters draft a sampled request with the sampler's own noise (n
 host twin of rollout.sampling.uniform_noise) raced over the continuation counts, so a draft
 from samples of the target's distribution is the target's own draw as often as those counts
 allow (choice.py); greedy requests follow the latest continuation. `governor.py` keeps
-drafting on only while it beats plain decoding.
+drafting on only while it beats plain decoding (on CUDA plain decoding overlaps its steps
+while drafting is off, as without speculation).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from speculative.governor import SpeedGovernor
 
 if TYPE_CHECKING:
     from rollout.config import EngineConfig
@@ -51,4 +54,6 @@ def make_drafter(config: EngineConfig, context_len: int, draft: DraftRunner | No
                                 keep_on_update=config.speculative_keep_history_on_update)
     if not config.speculative_governor:
         drafter.governor = None
+    elif config.overlap_plain:  # steps that do not draft are overlapped: probe in blocks
+        drafter.governor = SpeedGovernor(blocks=True)
     return drafter

@@ -27,6 +27,16 @@ class Drafter(ABC):
         self.context_len = context_len
         self.governor: SpeedGovernor | None = SpeedGovernor()  # None: always draft
 
+    @property
+    def drafting(self) -> bool:
+        """Whether the next step drafts (the governor's mode; always without a governor)."""
+        return self.governor is None or self.governor.drafting
+
+    def observe_drain(self, seconds: float, tokens: int) -> None:
+        """A drafting step first read back an overlapped plain step: plain decoding's time."""
+        if self.governor is not None:
+            self.governor.observe_drain(seconds, tokens)
+
     def propose_all(self, running: list[Req]) -> None:
         """Set `draft_tokens` on every running request that is decoding this step."""
         for req in running:

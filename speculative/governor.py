@@ -13,6 +13,13 @@ that is most of them, and they need no forced plain steps). Then the faster mode
 drafting for HOLD_ON steps before the next probe, plain decoding for a stretch that doubles
 while it keeps winning (up to MAX_OFF). A poor case is switched off after `probe` verify
 steps; a good one loses at most the probe's plain steps.
+
+Where the engine overlaps plain steps (CUDA: plain decoding with overlap scheduling is what
+speculation must beat, not plain decoding without it), the probe runs in blocks instead:
+`probe` plain steps in a row, so overlap works as it does in a long stretch, then `probe`
+drafting steps, every one counted as drafting (overlap is off for all of them, drafts or
+not). The first drafting step reads back the last plain step's tokens before it drafts; that
+wait is plain decoding's (`observe_drain`), and it lands before the decision.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ MAX_OFF = 512
 
 class SpeedGovernor:
     def __init__(self, probe: int = PROBE, hold_on: int = HOLD_ON, first_off: int = FIRST_OFF,
-                 max_off: int = MAX_OFF) -> None:
+                 max_off: int = MAX_OFF, blocks: bool = False) -> None:
         self.probe, self.hold_on, self.first_off, self.max_off = probe, hold_on, first_off, max_off
-        self.drafting = True  # the mode of the next step
+        self.blocks = blocks  # probe plain steps in a row, then drafting ones (overlapped plain steps)
+        self.drafting = not blocks  # the mode of the next step
         self.probing = True
         self.rate = {True: 0.0, False: 0.0}  # emitted tokens/s of each mode in the last probe
         self._seconds = {True: 0.0, False: 0.0}
@@ -48,7 +56,7 @@ class SpeedGovernor:
             return
         if not decode_only:
             return
-        mode = self.drafting if verified is None else verified
+        mode = self.drafting if verified is None or self.blocks else verified
         self._seconds[mode] += seconds
         self._tokens[mode] += tokens
         self._steps[mode] += 1
@@ -58,8 +66,15 @@ class SpeedGovernor:
             self.drafting = False
         elif self._steps[False] >= self.probe:
             self.drafting = True
-        else:  # both modes short of samples: alternate, so they are timed on the same batch
+        elif not self.blocks:  # both modes short of samples: alternate, so they are timed on the same batch
             self.drafting = not mode
+
+    def observe_drain(self, seconds: float, tokens: int) -> None:
+        """A drafting step first read back the overlapped plain step before it: that wait and
+        those tokens are plain decoding's (counted only while probing)."""
+        if self.probing:
+            self._seconds[False] += seconds
+            self._tokens[False] += tokens
 
     def restart(self) -> None:
         """The policy changed (a weight update): the last verdict was about another model's
@@ -70,7 +85,7 @@ class SpeedGovernor:
         self._start_probe()
 
     def _start_probe(self) -> None:
-        self.probing, self.drafting = True, True
+        self.probing, self.drafting = True, not self.blocks
         for mode in (True, False):
             self._seconds[mode], self._tokens[mode], self._steps[mode] = 0.0, 0, 0
 

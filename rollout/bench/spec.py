@@ -189,6 +189,12 @@ class WindowedGovernor:
                 if self.rate[True] >= rate:
                     self._off_length = 1
 
+    def observe_drain(self, seconds: float, tokens: int) -> None:
+        """(It never had overlapped plain steps: the read-back lands in the drafting window.)"""
+
+    def restart(self) -> None:
+        """(It never restarted on a weight update.)"""
+
 
 @dataclass(frozen=True)
 class Sample:

@@ -66,7 +66,7 @@ class Launched:
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVManager, outputs: Outputs,
                  counters: Counters, vocab_size: int, overlap: bool, drafter: Drafter | None = None,
-                 structured: StructuredOutput | None = None) -> None:
+                 structured: StructuredOutput | None = None, overlap_plain: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv
@@ -75,14 +75,26 @@ class StepLoop:
         self.vocab_size = vocab_size
         self.overlap = overlap
         self.drafter = drafter  # speculative decoding (then overlap is off: drafts need the last tokens)
+        # ... except in steps the governor keeps plain: those overlap as without speculation
+        self.overlap_plain = overlap_plain
+        self._overlapped = overlap  # whether the step being run overlaps
         self.inflight: Launched | None = None  # overlap scheduling: the step not yet read back
         self.structured = structured  # grammar masks for constrained requests
 
     def step(self, version: int) -> list[RolloutOutput]:
         """One scheduler -> model -> sampler step; returns the requests that finished (with
         overlap scheduling, those of the previous step)."""
-        start, generated = time.perf_counter(), self.counters.generated_tokens
         finished = self._finish_failed_grammars(version)
+        overlap = self.overlap
+        if self.drafter is not None:
+            if not self.drafter.drafting:
+                overlap = self.overlap_plain
+            elif self.inflight is not None:  # drafts continue the tokens in flight: read them back first
+                drained, before = time.perf_counter(), self.counters.generated_tokens
+                finished.extend(self.drain())
+                self.drafter.observe_drain(time.perf_counter() - drained, self.counters.generated_tokens - before)
+        start, generated = time.perf_counter(), self.counters.generated_tokens
+        self._overlapped = overlap
         if self.drafter is not None:
             self.drafter.propose_all(self.scheduler.running)
             _trim_drafts_to_grammar(self.scheduler.running)
@@ -92,7 +104,7 @@ class StepLoop:
             decode_only = batch.decode_only()
             verified = decode_only and any(r.draft_tokens for r in batch.reqs)
         forwarded = self.forward(batch, version) if batch is not None else None
-        if self.overlap:
+        if overlap:
             previous, self.inflight = self.inflight, None
             if previous is not None and forwarded is not None and forwarded.constrained:
                 # A constrained row's mask needs the token still in flight: read it back now,
@@ -106,7 +118,7 @@ class StepLoop:
             finished.extend(self.read_back(self.sample(forwarded)))
         if batch is not None:
             self.counters.steps += 1
-            if self.drafter is not None:  # overlap is off: this step's tokens are read back
+            if self.drafter is not None:  # this step's tokens read back, or (overlapped) the previous step's
                 self.drafter.observe_speed(time.perf_counter() - start, self.counters.generated_tokens - generated,
                                            decode_only, verified)
         elif self.scheduler.waiting:
@@ -150,7 +162,7 @@ class StepLoop:
         mask = self._token_mask(forwarded, logits.device) if forwarded.constrained else None
         res = sample(logits, SamplingBatch.from_reqs(row_reqs, self.vocab_size, logits.device,
                                                      offsets if len(row_reqs) > len(samplers) else None), mask)
-        if self.overlap:  # only then does a step read tokens it has not seen
+        if self._overlapped:  # only then does a step read tokens it has not seen
             self.runner.record_tokens(forwarded.pool_rows, res.token_ids)
         for req in samplers:
             req.num_inflight += 1

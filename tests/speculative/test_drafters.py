@@ -204,6 +204,21 @@ def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_a
     assert gov.drafting and gov.probing and gov._off_length == gov.first_off
     assert run(4, 100, 50) == [True, False, True, False] and run(3, 100, 50) == [True] * 3, "measured at once"
 
+    blocks = SpeedGovernor(probe=3, hold_on=6, first_off=4, blocks=True)  # plain steps overlapped (CUDA)
+    modes = []
+    for plain_rate, spec_rate in ((100, 50), (50, 100)):
+        blocks.restart()
+        for _ in range(6):
+            modes.append(blocks.drafting)
+            if blocks.drafting and modes[-2:] == [False, True]:  # the first drafting step drains the last plain one
+                blocks.observe_drain(1.0, plain_rate)
+            # an overlapped plain step reads back the one before it (the first: nothing in flight)
+            tokens = spec_rate if blocks.drafting else plain_rate * (modes[-2:] == [False, False])
+            blocks.observe(1.0, tokens, verified=blocks.drafting and tokens > 60)
+        assert modes[-6:] == [False] * 3 + [True] * 3, "a block of each, plain first; no-draft steps stay drafting's"
+        assert blocks.rate[False] == pytest.approx(plain_rate * 3 / 4), "the drain's wait and tokens are plain's"
+        assert blocks.drafting == (spec_rate > plain_rate * 3 / 4) and not blocks.probing
+
     early = SpeedGovernor(probe=2, hold_on=6, first_off=4)
     for _ in range(5):  # drafting on, but nothing repeats yet: these steps are plain decoding's
         early.observe(1.0, 50, verified=False)

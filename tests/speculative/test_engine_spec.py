@@ -186,3 +186,61 @@ def test_sampled_outputs_with_coupled_drafts_equal_plain_decoding(llama: TinyMod
     assert min(accepted.values()) > 0, accepted
     if drafter == "suffix":
         assert accepted[True] > 1.5 * accepted[False], accepted
+
+
+class _Scripted:
+    """A governor stand-in that drafts on a fixed pattern of steps (on for 3, off for 2), so
+    every transition between drafting and overlapped plain steps happens many times."""
+
+    def __init__(self) -> None:
+        self.steps, self.drains, self.drained_tokens, self.drafting = 0, 0, 0, True
+
+    def observe(self, seconds, tokens, decode_only=True, verified=None) -> None:
+        self.steps += 1
+        self.drafting = self.steps % 5 < 3
+
+    def observe_drain(self, seconds, tokens) -> None:
+        self.drains += 1
+        self.drained_tokens += tokens
+
+    def restart(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_plain_steps_overlap_between_drafting_steps(llama: TinyModel, drafter: str) -> None:
+    """While the governor keeps drafting off, steps overlap as without speculation; a drafting
+    step first reads back the token in flight (that wait is plain decoding's). Outputs equal
+    plain decoding's for greedy and seeded sampled requests, with forks and tight KV."""
+    prompts = _repetitive(llama.vocab_size, 6, seed=76)
+    greedy = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=9, n=3, ignore_eos=True)
+    kw = dict(model=llama.path, page_size=4, overlap_schedule=True)
+    plain = Engine(EngineConfig(**kw))
+    spec = Engine(EngineConfig(**kw, speculative=drafter))
+    assert spec.loop.overlap is False and spec.loop.overlap_plain is True
+    script = spec.drafter.governor = _Scripted()
+    overlapped = []
+    launch = spec.loop.sample
+
+    def sample(forwarded):
+        overlapped.append(spec.loop._overlapped)
+        return launch(forwarded)
+
+    spec.loop.sample = sample
+    for params in (greedy, sampled):
+        want = plain.generate(input_ids=prompts, sampling_params=params)
+        got = spec.generate(input_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want, strict=True):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert any(overlapped) and not all(overlapped), "both kinds of step ran"
+    assert script.drains > 0 and script.drained_tokens > 0
+    assert spec.counters.accepted_tokens > 0
+    spec.flush_cache()
+    assert spec.kv.used_slots() == 0 and spec.loop.inflight is None
+    tight = Engine(EngineConfig(**kw, speculative=drafter, max_total_tokens=160))
+    tight.drafter.governor = _Scripted()
+    got = tight.generate(input_ids=prompts, sampling_params=sampled)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=sampled)]
+    assert tight.counters.retractions > 0

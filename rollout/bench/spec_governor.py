@@ -1,0 +1,89 @@
+"""bench_spec --gpu-governor: is speculation with its governor ever slower than plain decoding?
+
+One engine (a benchmark shape, random weights, greedy, ignore_eos) at each batch size:
+- plain: no drafter, overlap scheduling on (what "off" means);
+- poor: drafts that are always wrong (random tokens, full length every step), governor on;
+  "now" overlaps the steps the governor keeps plain and probes in blocks, "before" ran every
+  step without overlap and probed in alternation;
+- good: the suffix drafter with a warm history of the same greedy rollout (every draft
+  right), governor on ("now").
+ms per emitted token-step (the timed generate's wall time over the decode steps plain decoding
+would take), so rows compare directly.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from rollout.request import Req
+from speculative.base import Drafter
+from speculative.governor import SpeedGovernor
+
+
+class WrongDrafter(Drafter):
+    """Random tokens, k of them every step: nothing is accepted."""
+
+    def __init__(self, vocab: int, k: int) -> None:
+        super().__init__(k, 1 << 30)
+        self.rng, self.vocab = random.Random(0), vocab
+
+    def propose(self, req: Req, k: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(k)]
+
+    def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
+        pass  # stay at full length: the worst case the governor must catch
+
+
+def run(args) -> None:
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.model.shapes import SHAPES, write_shape_dir
+    from speculative.suffix import SuffixDrafter
+
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    path = write_shape_dir(args.shape)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    engine = Engine(EngineConfig(model=path, dtype="bfloat16" if cuda else "float32", device=args.device,
+                                 load_format="dummy", page_size=16, max_running_requests=max(args.batches),
+                                 speculative="suffix", gpu_memory_fraction=0.5))
+    loop = engine.loop
+    overlap_plain = loop.overlap_plain
+    g = torch.Generator().manual_seed(0)
+    new = args.new_gpu
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+
+    def timed(prompts, drafter, overlap_plain_now: bool = overlap_plain, warm=True) -> float:
+        engine.drafter = loop.drafter = drafter
+        loop.overlap = drafter is None and overlap_plain
+        loop.overlap_plain = overlap_plain_now
+        if warm:  # kernels and graphs of these shapes, outside the timing
+            engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=4,
+                                                                             ignore_eos=True))
+        sync()
+        start = time.perf_counter()
+        engine.generate(input_ids=prompts, sampling_params=params)
+        sync()
+        return 1e3 * (time.perf_counter() - start) / (new - 1)
+
+    def governed(drafter: Drafter, blocks: bool) -> Drafter:
+        drafter.governor = SpeedGovernor(blocks=blocks)
+        return drafter
+
+    print(f"\n{args.shape}, {'bf16' if cuda else 'fp32'}, {args.device}: ms per token-step, greedy, {new} new tokens, "
+          f"prompts of {args.context} random tokens, k = {engine.config.num_speculative_tokens}")
+    print(f"{'batch':>5} | {'plain':>6} | {'poor, now':>9} | {'poor, before':>12} | {'good, now':>9} | "
+          f"{'poor now / plain':>16} | {'good speedup':>12}")
+    for batch in args.batches:
+        prompts = torch.randint(100, vocab - 100, (batch, args.context), generator=g).tolist()
+        plain = timed(prompts, None)
+        poor_now = timed(prompts, governed(WrongDrafter(vocab, engine.config.num_speculative_tokens), overlap_plain))
+        poor_before = timed(prompts, governed(WrongDrafter(vocab, engine.config.num_speculative_tokens), False), False)
+        suffix = SuffixDrafter(engine.config.num_speculative_tokens, engine.context_len, 1 << 30)
+        timed(prompts, governed(suffix, overlap_plain), warm=False)  # fills the history with this very rollout
+        engine.flush_cache()
+        good_now = timed(prompts, suffix, warm=False)
+        print(f"{batch:>5} | {plain:>6.2f} | {poor_now:>9.2f} | {poor_before:>12.2f} | {good_now:>9.2f} | "
+              f"{poor_now / plain:>15.2f}x | {plain / good_now:>11.2f}x", flush=True)
