@@ -39,7 +39,7 @@ def grpo_epochs(args) -> None:
     H200; on this CPU, compute-bound at 64 rows, the engine's governor (--governor on) would
     mostly turn drafting off, and its acceptance would say little about a GPU."""
     from rollout import Engine, EngineConfig, SamplingParams
-    from rollout.bench.spec import projected_speedup
+    from rollout.bench.spec import batch1_trace_speedup, projected_speedup
     from rollout.model.fetch import fetch_default_model
     from rollout.rl import ArithmeticTask, Epochs, GRPOConfig, GRPOTrainer, load_policy
     from rollout.rl.grpo import sample_seed
@@ -108,8 +108,6 @@ def grpo_epochs(args) -> None:
               f"{a:>10.2f} | {rate:>6} | {s:>8.2f} | "
               f"{projected_speedup(a, 1):>10.2f}x / {projected_speedup(a, 64):.2f}x | "
               f"{projected_speedup(s, 1):.2f}x / {projected_speedup(s, 64):.2f}x")
-    from rollout.bench.spec import batch1_trace_speedup
-
     for t in traces:
         a = t.accepted / max(len(t.verifies), 1)
         print(f"\nbatch 1 at the start of epoch {t.epoch}, k <= {t.k}: {t.samples} samples alone, {t.tokens} tokens after the first, "
