@@ -66,7 +66,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.structured = StructuredOutput(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,
                              self.model_config.vocab_size, config.overlap, self.drafter, self.structured,
-                             overlap_plain=config.overlap_plain and config.speculative_governor)
+                             overlap_plain=config.overlap_plain)
         limits = Limits(self.model_config.vocab_size, self.context_len, self.kv.capacity - config.page_size)
         self.lora = parts.lora
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,

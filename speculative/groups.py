@@ -13,8 +13,8 @@ Whatever leaves (an evicted response, an aborted or retracted member) leaves the
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from rollout.request import Req
 from speculative.index import ContinuationIndex

@@ -85,16 +85,15 @@ class StepLoop:
         """One scheduler -> model -> sampler step; returns the requests that finished (with
         overlap scheduling, those of the previous step)."""
         finished = self._finish_failed_grammars(version)
-        overlap = self.overlap
+        self._overlapped = self.overlap
         if self.drafter is not None:
             if not self.drafter.drafting:
-                overlap = self.overlap_plain
+                self._overlapped = self.overlap_plain
             elif self.inflight is not None:  # drafts continue the tokens in flight: read them back first
                 drained, before = time.perf_counter(), self.counters.generated_tokens
                 finished.extend(self.drain())
                 self.drafter.observe_drain(time.perf_counter() - drained, self.counters.generated_tokens - before)
         start, generated = time.perf_counter(), self.counters.generated_tokens
-        self._overlapped = overlap
         if self.drafter is not None:
             self.drafter.propose_all(self.scheduler.running)
             _trim_drafts_to_grammar(self.scheduler.running)
@@ -104,7 +103,7 @@ class StepLoop:
             decode_only = batch.decode_only()
             verified = decode_only and any(r.draft_tokens for r in batch.reqs)
         forwarded = self.forward(batch, version) if batch is not None else None
-        if overlap:
+        if self._overlapped:
             previous, self.inflight = self.inflight, None
             if previous is not None and forwarded is not None and forwarded.constrained:
                 # A constrained row's mask needs the token still in flight: read it back now,
