@@ -210,6 +210,9 @@ def main() -> None:
                            "the engine's budget) or the eager extend layout"),
     ):
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
+    parser.add_argument("--small-decode-rows", nargs="+", type=int, default=[None],
+                        help="decode graphs of at most this many rows attend with the Triton kernel, larger ones "
+                             "with FlashInfer (rollout.attention.SMALL_DECODE_ROWS; default: the engine's)")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
@@ -312,9 +315,14 @@ def main() -> None:
             runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
         else:
             runs += [("auto", o == "on", True) for o in args.overlap]
-    runs = [(*run, skinny, rs, silu, rope, rows) for rs in args.rotary_store for silu in args.silu_epilogue
-            for rope in args.rope_epilogue for skinny in args.skinny for rows in args.prefill_rows for run in runs]
-    for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows in runs:
+    runs = [(*run, skinny, rs, silu, rope, rows, small) for rs in args.rotary_store for silu in args.silu_epilogue
+            for rope in args.rope_epilogue for skinny in args.skinny for rows in args.prefill_rows
+            for small in args.small_decode_rows for run in runs]
+    import rollout.attention
+
+    small_default = rollout.attention.SMALL_DECODE_ROWS
+    for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows, small in runs:
+        rollout.attention.SMALL_DECODE_ROWS = small_default if small is None else small
         set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
                            silu=silu == "on", rope=rope == "on")
         try:
@@ -325,7 +333,8 @@ def main() -> None:
         engine.runner.extend_rows_kv = None if rows == "on" else 0
         label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
                  f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}"
-                 f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}")
+                 f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}"
+                 f"{f', Triton decode to {small} rows' if small is not None else ''}")
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)

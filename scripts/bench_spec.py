@@ -292,6 +292,15 @@ def gpu(args) -> None:
             best = max((1 + min(a, k)) * times[0] / times[k] for k in ks)
             cells.append(f"{best:>5.2f}x")
         print(f"{batch:>5} | " + " | ".join(cells))
+    if args.profile_verify:
+        from rollout.bench.spec_profile import run as profile_verify
+
+        def fixed(k):
+            drafter = FixedDrafter(k, 10_000)
+            drafter.governor = None
+            return drafter
+
+        profile_verify(engine, prompts[batches[0]], fixed, args.profile_verify, host_top=args.profile_host)
     del engine
     torch.cuda.empty_cache()
     if not args.draft_model:
@@ -368,10 +377,21 @@ def main() -> None:
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="--gpu: leave out the extend-layout column")
     parser.add_argument("--no-draft-model", dest="draft_model", action="store_false",
                         help="--gpu: leave out the 0.6B draft model's table")
+    parser.add_argument("--profile-verify", type=int, default=0, metavar="K",
+                        help="--gpu: profile decode and verify k = K steps at the first batch (rollout/bench/spec_profile.py)")
+    parser.add_argument("--profile-host", type=int, default=0, metavar="N",
+                        help="--profile-verify: also the N Python functions of most own time (cProfile)")
+    parser.add_argument("--small-decode-rows", type=int, default=None, metavar="R",
+                        help="GPU: decode graphs of at most R rows attend with the Triton kernel "
+                             "(rollout.attention.SMALL_DECODE_ROWS; default: as the engine has it)")
     parser.add_argument("--profile-draft", action="store_true", help="--gpu: cProfile a draft-model run at the first batch")
     parser.add_argument("--accepted", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0],
                         help="mean accepted lengths to turn GPU step costs into speedups (measure them on CPU)")
     args = parser.parse_args()
+    if args.small_decode_rows is not None:
+        import rollout.attention
+
+        rollout.attention.SMALL_DECODE_ROWS = args.small_decode_rows
     if args.host_only:
         host(args)
     elif args.gpu_governor:

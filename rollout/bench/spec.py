@@ -19,23 +19,22 @@ from dataclasses import dataclass
 from rollout.request import Req, SamplingParams
 from speculative.noise import position_key, race_noise
 
-# H200, Llama-3.1-8B shape, bf16, ms per step (BENCHMARKS.md, "verify-step cost against a
-# decode step", re-measured 2026-12-02 on the tree with the one-row batch-1 path, which the
-# verify rows do not take): batch -> (decode with overlap on, verify k = 1..4 as decode rows
-# in a CUDA graph). (2026-12-01: batch 1 5.76 and 6.78 / 6.29 / 6.28 / 6.33; 16 6.31 and
-# 7.16 / 8.67 / 7.96 / 8.47; 64 8.63 and 11.41 / 14.77 / 15.56 / 17.68.)
-# Batch 1 goes to k = 8 (the same call; flat: every width is one read of the weights);
-# batch 64 stops at 4, the widest its graphs were captured for (64 x 5 rows: the engine
-# captures requests x (1 + num_speculative_tokens), and the call's engine had k = 4).
+# H200, Llama-3.1-8B shape, bf16, ms per step (BENCHMARKS.md, "the verify step's host time",
+# 2026-12-02, second session): batch -> (decode with overlap on, verify k = 1..K as decode rows
+# in a CUDA graph). Batch 1's verify rows now attend with the Triton decode kernel, which needs
+# no host plan (rollout.attention.SMALL_DECODE_ROWS): 5.23-5.62 ms against 6.45-6.98 the same
+# morning. Batch 64's 64 x (1 + k) rows are past that range (FlashInfer, as before). Batch 64
+# stops at k = 4, the widest its graphs were captured for (the engine captures requests x
+# (1 + num_speculative_tokens), and the call's engine had k = 4).
 H200_STEP_MS: dict[int, tuple[float, tuple[float, ...]]] = {
-    1: (4.37, (6.45, 6.58, 6.54, 6.75, 6.69, 6.78, 6.66, 6.98)),
-    64: (9.91, (15.10, 17.64, 19.23, 21.59)),
+    1: (4.34, (5.23, 5.38, 5.30, 5.44, 5.42, 5.45, 5.45, 5.62)),
+    64: (8.60, (13.00, 16.06, 17.53, 19.47)),
 }
 
 
 # the same call's plain decode with overlap off (what a step without drafts costs while
 # speculating: overlap is off then)
-H200_DECODE_NO_OVERLAP_MS: dict[int, float] = {1: 5.08, 64: 12.63}
+H200_DECODE_NO_OVERLAP_MS: dict[int, float] = {1: 4.73, 64: 10.62}
 
 
 def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: int) -> float:

@@ -63,10 +63,17 @@ def run(args) -> None:
             engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=4,
                                                                              ignore_eos=True))
         sync()
+        c = engine.counters
+        before = (c.steps, c.verify_steps, c.drafted_tokens, c.accepted_tokens)
         start = time.perf_counter()
         engine.generate(input_ids=prompts, sampling_params=params)
         sync()
+        steps, verifies, drafted, accepted = (after - b for after, b in zip(
+            (c.steps, c.verify_steps, c.drafted_tokens, c.accepted_tokens), before))
+        last[:] = [steps, verifies / len(prompts), drafted, accepted]
         return 1e3 * (time.perf_counter() - start) / (new - 1)
+
+    last = [0, 0.0, 0, 0]  # the last timed run's steps, verify steps per request, drafted, accepted tokens
 
     def governed(drafter: Drafter, blocks: bool) -> Drafter:
         drafter.governor = SpeedGovernor(blocks=blocks)
@@ -75,15 +82,17 @@ def run(args) -> None:
     print(f"\n{args.shape}, {'bf16' if cuda else 'fp32'}, {args.device}: ms per token-step, greedy, {new} new tokens, "
           f"prompts of {args.context} random tokens, k = {engine.config.num_speculative_tokens}")
     print(f"{'batch':>5} | {'plain':>6} | {'poor, now':>9} | {'poor, before':>12} | {'good, now':>9} | "
-          f"{'poor now / plain':>16} | {'good speedup':>12}")
+          f"{'poor now / plain':>16} | {'good speedup':>12} | good: steps, verifies/request, accepted/drafted")
     for batch in args.batches:
         prompts = torch.randint(100, vocab - 100, (batch, args.context), generator=g).tolist()
         plain = timed(prompts, None)
         poor_now = timed(prompts, governed(WrongDrafter(vocab, engine.config.num_speculative_tokens), overlap_plain))
         poor_before = timed(prompts, governed(WrongDrafter(vocab, engine.config.num_speculative_tokens), False), False)
         suffix = SuffixDrafter(engine.config.num_speculative_tokens, engine.context_len, 1 << 30)
-        timed(prompts, governed(suffix, overlap_plain), warm=False)  # fills the history with this very rollout
-        engine.flush_cache()
+        # fills the history with this very rollout (and leaves the prompts cached, as the warm-up
+        # before every other timing does: the timed runs compare decode steps, not prefills)
+        timed(prompts, governed(suffix, overlap_plain), warm=False)
         good_now = timed(prompts, suffix, warm=False)
         print(f"{batch:>5} | {plain:>6.2f} | {poor_now:>9.2f} | {poor_before:>12.2f} | {good_now:>9.2f} | "
-              f"{poor_now / plain:>15.2f}x | {plain / good_now:>11.2f}x", flush=True)
+              f"{poor_now / plain:>15.2f}x | {plain / good_now:>11.2f}x | {last[0]}, {last[1]:.1f}, "
+              f"{last[3]}/{last[2]}", flush=True)

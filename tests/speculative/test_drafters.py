@@ -205,9 +205,9 @@ def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_a
     assert run(4, 100, 50) == [True, False, True, False] and run(3, 100, 50) == [True] * 3, "measured at once"
 
     blocks = SpeedGovernor(probe=3, hold_on=6, first_off=4, blocks=True)  # plain steps overlapped (CUDA)
-    modes = []
     for plain_rate, spec_rate in ((100, 50), (50, 100)):
         blocks.restart()
+        modes = []
         for _ in range(6):
             modes.append(blocks.drafting)
             if blocks.drafting and modes[-2:] == [False, True]:  # the first drafting step drains the last plain one
@@ -215,9 +215,26 @@ def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_a
             # an overlapped plain step reads back the one before it (the first: nothing in flight)
             tokens = spec_rate if blocks.drafting else plain_rate * (modes[-2:] == [False, False])
             blocks.observe(1.0, tokens, verified=blocks.drafting and tokens > 60)
-        assert modes[-6:] == [False] * 3 + [True] * 3, "a block of each, plain first; no-draft steps stay drafting's"
+        losing = spec_rate < plain_rate * 3 / 4 * 0.75  # the probe ends after 2 drafting steps (EARLY_STEPS)
+        expected = [False] * 3 + [True] * 2 + [False] if losing else [False] * 3 + [True] * 3
+        assert modes[-6:] == expected, "a block of each, plain first; no-draft steps stay drafting's"
         assert blocks.rate[False] == pytest.approx(plain_rate * 3 / 4), "the drain's wait and tokens are plain's"
         assert blocks.drafting == (spec_rate > plain_rate * 3 / 4) and not blocks.probing
+
+    short = SpeedGovernor(probe=4, hold_on=6, first_off=4, blocks=True)
+    for _ in range(4):
+        short.observe(1.0, 100)  # the plain block
+    short.observe(1.0, 80, verified=True)
+    assert short.probing and short.drafting, "one drafting step is not enough to call it"
+    short.observe(1.0, 80, verified=True)
+    assert short.probing and short.drafting, "80% of plain's rate is not clearly losing: the block runs on"
+    short.restart()
+    for _ in range(4):
+        short.observe(1.0, 100)
+    short.observe(1.0, 60, verified=True)
+    short.observe(1.0, 70, verified=True)
+    assert not short.probing and not short.drafting, "clearly losing after two drafting steps: off at once"
+    assert short.rate == {True: 65.0, False: 100.0}
 
     early = SpeedGovernor(probe=2, hold_on=6, first_off=4)
     for _ in range(5):  # drafting on, but nothing repeats yet: these steps are plain decoding's
