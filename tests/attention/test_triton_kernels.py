@@ -228,3 +228,49 @@ def test_rejects_bad_inputs() -> None:
                          c["kv_indices"], 1.0)
     with pytest.raises(ValueError, match="dtype"):
         decode_attention(c["q"].half(), c["k_cache"], c["v_cache"], c["kv_indptr"], c["kv_indices"], 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "max_rank", "num_kv_splits"), [((6, 2, 64), 8, 3), ((4, 4, 32), 5, 1)])
+def test_decode_row_shrink_writes_each_heads_partial(dtype, heads, max_rank, num_kv_splits) -> None:
+    """One request's decode with a RowShrink (o_proj's adapter shrink in the merge kernel):
+    the output is bit-equal to the decode without it, h's heads sum to A_slot's rows times the
+    output row as stored, nothing is written past the slot's rank, and slot -1 writes nothing."""
+    from rollout.kernels.low_rank import RowShrink, reference_shrink
+
+    num_heads, num_kv_heads, head_dim = heads
+    c = make_case([29], [1], num_heads, num_kv_heads, head_dim, dtype, seed=5)
+    q, scale = c["q"], head_dim ** -0.5
+    plain, _ = run_decode(c, num_kv_splits)
+    g = torch.Generator().manual_seed(6)
+    a = (torch.randn(3, max_rank, num_heads * head_dim, generator=g) * 0.2).to(dtype).to(DEVICE)
+    ranks = torch.tensor([max_rank, max_rank - 2, 0], dtype=torch.int32, device=DEVICE)
+    for slot in (0, 1, 2, -1):
+        h = torch.full((num_heads, max_rank), float("nan"), device=DEVICE)
+        shrink = RowShrink(a, h, torch.tensor([slot], dtype=torch.int32, device=DEVICE), ranks, max_rank)
+        out = decode_attention(q, c["k_cache"], c["v_cache"], c["kv_indptr"], c["kv_indices"], scale,
+                               num_kv_splits=num_kv_splits, row_shrink=shrink)
+        assert torch.equal(out, plain), slot
+        rank = int(ranks[slot]) if slot >= 0 else 0
+        assert torch.isnan(h[:, rank:]).all(), f"slot {slot}: written past rank {rank}"
+        if rank:
+            want = reference_shrink(out, shrink)[:rank]
+            torch.testing.assert_close(h[:, :rank].sum(0), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_row_shrink_refuses_what_it_cannot_do() -> None:
+    from rollout.kernels.low_rank import RowShrink
+
+    c = make_case([9, 4], [1, 1], 4, 4, 32, torch.float16, seed=2)
+    a = torch.zeros(2, 4, 128, dtype=torch.float16, device=DEVICE)
+    slot, ranks = torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.full((2,), 4, dtype=torch.int32, device=DEVICE)
+    args = (c["k_cache"], c["v_cache"], c["kv_indptr"], c["kv_indices"], 0.1)
+    h = torch.empty(4, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="one request"):
+        decode_attention(c["q"], *args, row_shrink=RowShrink(a, h, slot, ranks, 4))
+    one = make_case([9], [1], 4, 4, 32, torch.float16, seed=2)
+    args = (one["k_cache"], one["v_cache"], one["kv_indptr"], one["kv_indices"], 0.1)
+    with pytest.raises(ValueError, match=r"row_shrink.h must be contiguous fp32 \[4, 4\]"):
+        decode_attention(one["q"], *args, row_shrink=RowShrink(a, torch.empty(3, 4, device=DEVICE), slot, ranks, 4))
+    with pytest.raises(ValueError, match="row_shrink.a must be"):
+        decode_attention(one["q"], *args, row_shrink=RowShrink(a.float(), h, slot, ranks, 4))
