@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora.ops import sgmv_expand, sgmv_shrink, shrink_row, use_triton
-from rollout.kernels.low_rank import LowRank, OneRow, RowShrink
+from rollout.kernels.low_rank import LowRank, OneRow
 
 if TYPE_CHECKING:
     from lora.pool import LoraPool
@@ -110,23 +110,6 @@ class LoraHook:
         slot = batch.seg_slots[:1]  # one row: its slot is the first segment's (-1: a base request)
         h = shrink_row(x, pool.a[self.key], slot, pool.slot_ranks, num_slices=self.num_slices, max_rank=pool.max_rank)
         return OneRow(LowRank(h, pool.b[self.key], slot, pool.slot_ranks, self.slice_offsets, pool.max_rank))
-
-    def row_shrink(self, x_like: torch.Tensor, splits: int) -> RowShrink | None:
-        """For o_proj at one row: the shrink for the attention kernel before it to compute
-        (`splits` partials, one a head; rollout/kernels/low_rank.py RowShrink), so the shrink
-        needs no launch of its own; `row_term` turns it into the GEMV's term. None: no
-        adapter runs this step, or the one-row epilogue is off (the usual paths then)."""
-        pool, batch = self.pool, self.pool.batch
-        if batch is None or self.num_slices != 1 or x_like.shape[0] != 1 or not pool.one_row_epilogue \
-                or not use_triton(x_like):
-            return None
-        h = torch.empty((splits, pool.max_rank), dtype=torch.float32, device=x_like.device)
-        return RowShrink(pool.a[self.key], h, batch.seg_slots[:1], pool.slot_ranks, pool.max_rank)
-
-    def row_term(self, shrink: RowShrink) -> OneRow:
-        """The o projection's term from a RowShrink the attention wrote (see row_shrink)."""
-        return OneRow(LowRank(shrink.h, self.pool.b[self.key], shrink.slot, shrink.ranks, self.slice_offsets,
-                              shrink.max_rank))
 
     @property
     def concurrent(self) -> bool:

@@ -98,7 +98,6 @@ def gpu(args) -> None:
     names = [f"lora{i}" for i in range(8)]
     results: dict[str, float] = {}
     import lora.pool as lora_pool
-    from rollout import kernels
 
     deferred_rows = lora_pool.DEFER_MAX_ROWS
     # --in-place-peer: a third engine whose graphs expand in place (no deferred deltas), so
@@ -108,9 +107,6 @@ def gpu(args) -> None:
     # from the GEMV (the side stream, cuBLAS beside it) instead of the expand in its epilogue
     # (lora/hook.py one_row)
     engines += [(True, "LoRA apart")] if args.apart_peer else []
-    # --o-shrink-peer: a LoRA engine whose one-row steps run o_proj's shrink as its own kernel,
-    # not in the attention's merge kernel (rollout.kernels.o_shrink_in_attention, read at capture)
-    engines += [(True, "LoRA, o shrink own kernel")] if args.o_shrink_peer else []
     # --base-again: the LoRA-free engine once more at the end; rows compare against the mean of
     # its two runs, so a drift of the machine over the run (clocks, heat) does not count as LoRA's
     engines += [(False, "no LoRA, again")] if args.base_again else []
@@ -119,7 +115,6 @@ def gpu(args) -> None:
             continue  # the sync row alone needs no LoRA-free peer
         lora_pool.DEFER_MAX_ROWS = 0 if label == "LoRA in-place" else deferred_rows  # read when the pool is built
         lora_pool.ONE_ROW_EPILOGUE = label != "LoRA apart"
-        kernels.o_shrink_in_attention = label != "LoRA, o shrink own kernel"
         engine = make(lora)
         if lora:
             for k, name in enumerate(names):
@@ -317,9 +312,6 @@ def main() -> None:
     parser.add_argument("--apart-peer", action="store_true",
                         help="also run a LoRA engine whose one-row steps run the adapter's kernels apart from the "
                              "GEMV (lora.pool.ONE_ROW_EPILOGUE = False), in the same run")
-    parser.add_argument("--o-shrink-peer", action="store_true",
-                        help="also a LoRA engine whose batch-1 steps run o_proj's shrink as its own kernel instead of "
-                             "in the attention's merge kernel (rollout.kernels.o_shrink_in_attention = False)")
     parser.add_argument("--split", action="store_true",
                         help="after the timed rows of a, each variant once more step by step: its wall time split "
                              "into decode-graph steps and the rest (prefill, mixed steps)")

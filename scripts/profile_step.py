@@ -42,9 +42,6 @@ def main() -> None:
     parser.add_argument("--apart", action="store_true",
                         help="with --lora at batch 1: the adapter's kernels apart from the GEMV, not its expand in "
                              "the GEMV's epilogue (lora.pool.ONE_ROW_EPILOGUE = False)")
-    parser.add_argument("--o-shrink-apart", action="store_true",
-                        help="with --lora at batch 1: o_proj's shrink as its own kernel, not in the attention's "
-                             "merge kernel (rollout.kernels.o_shrink_in_attention = False)")
     parser.add_argument("--max-running", type=int, default=None,
                         help="EngineConfig.max_running_requests and cuda_graph_max_bs (default: the batch): the "
                              "benchmarks' engines use 512, which captures graphs up to 512 rows")
@@ -53,8 +50,6 @@ def main() -> None:
 
     if args.cublas:
         kernels.skinny_matmul = False
-    if args.o_shrink_apart:
-        kernels.o_shrink_in_attention = False
     if args.apart:
         import lora.pool
 

@@ -13,7 +13,6 @@ from abc import ABC, abstractmethod
 import torch
 
 from rollout.cache.kv_pool import KVPool, KVTarget
-from rollout.kernels.low_rank import RowShrink
 from rollout.model.forward_batch import ForwardBatch
 
 
@@ -61,35 +60,17 @@ class AttentionBackend(ABC):
         assert batch is not None, "plan() before kv_target()"
         return self.pool.target(layer_id, batch.out_cache_loc) if FUSED_KV_STORE else None
 
-    def fuses_row_shrink(self) -> bool:
-        """Can this step's forward also write the low-rank shrink of its one output row (a
-        RowShrink, for the o projection's adapter: rollout/kernels/low_rank.py)? Only where a
-        kernel holds the row's heads as it writes them (a one-row decode on our Triton kernel)."""
-        return False
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                stored: bool = False, row_shrink: RowShrink | None = None) -> torch.Tensor:
+                stored: bool = False) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]. `stored`:
-        k and v are already in the pool, at kv_target(layer_id). `row_shrink`: also write its
-        h from the output row (only where fuses_row_shrink())."""
+        k and v are already in the pool, at kv_target(layer_id)."""
         batch = self.batch
         assert batch is not None, "plan() before forward()"
         if not stored:
             self.pool.store(layer_id, batch.out_cache_loc, k, v)
         out = torch.empty_like(q)
-        k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
-        if row_shrink is None:
-            self.attend(q, k, v, k_buf, v_buf, batch, out)
-        elif not self.fuses_row_shrink():
-            raise ValueError(f"attention backend {self.name!r} cannot write a row shrink in this step")
-        else:
-            self.attend_row_shrink(q, k_buf, v_buf, out, row_shrink)
+        self.attend(q, k, v, self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id], batch, out)
         return out
-
-    def attend_row_shrink(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
-                          row_shrink: RowShrink) -> None:
-        """attend() for a step where fuses_row_shrink(), writing row_shrink.h too."""
-        raise NotImplementedError(f"attention backend {self.name!r} has no fused row shrink")
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -20,7 +20,6 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.cache.kv_pool import KVTarget
-from rollout.kernels.low_rank import RowShrink
 from rollout.model.forward_batch import ForwardBatch
 
 
@@ -58,12 +57,9 @@ class SmallDecode(AttentionBackend):
     def kv_target(self, layer_id: int) -> KVTarget | None:
         return self.active.kv_target(layer_id)
 
-    def fuses_row_shrink(self) -> bool:
-        return self.active.fuses_row_shrink()
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                stored: bool = False, row_shrink: RowShrink | None = None) -> torch.Tensor:
-        return self.active.forward(q, k, v, layer_id, stored, row_shrink)
+                stored: bool = False) -> torch.Tensor:
+        return self.active.forward(q, k, v, layer_id, stored)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                batch: ForwardBatch, out: torch.Tensor) -> None:

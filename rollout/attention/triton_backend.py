@@ -11,7 +11,6 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_kernels import decode_attention, default_num_kv_splits, extend_attention
-from rollout.kernels.low_rank import MAX_SPLIT, RowShrink
 from rollout.model.forward_batch import ForwardBatch
 
 
@@ -39,15 +38,6 @@ class TritonAttention(AttentionBackend):
         self.decode_num_splits = default_num_kv_splits(
             batch.batch_size, self.num_heads, self.num_kv_heads, max_context, batch.kv_indices.device
         )
-
-    def fuses_row_shrink(self) -> bool:
-        batch = self.batch
-        return batch is not None and batch.batch_size == 1 and batch.num_decode == 1 and self.num_heads <= MAX_SPLIT
-
-    def attend_row_shrink(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
-                          row_shrink: RowShrink) -> None:
-        decode_attention(q, k_buf, v_buf, self.decode_kv_indptr, self.decode_kv_indices, self.scale, out=out,
-                         num_kv_splits=self.decode_num_splits, max_kv_len=self.decode_max_len, row_shrink=row_shrink)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                batch: ForwardBatch, out: torch.Tensor) -> None:

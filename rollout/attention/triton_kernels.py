@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from rollout.kernels import pdl
-from rollout.kernels.low_rank import MAX_SPLIT, RowShrink
 from rollout.kernels.pdl_device import launch_next_then_wait
 
 __all__ = ["decode_attention", "extend_attention"]
@@ -188,23 +187,14 @@ def _decode_stage2_kernel(
     MidO, MidLse, Out, kv_indptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     num_kv_splits,
-    sa_ptr, sh_ptr, sslot_ptr, sranks_ptr, stride_sas, stride_san,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
-    SHRINK: tl.constexpr, S_MAX_RANK: tl.constexpr, S_RANK_P2: tl.constexpr,
 ):
+    if USE_PDL:
+        launch_next_then_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    if SHRINK:  # the adapter's A columns of this head, before the wait: no kernel of the step writes A
-        s_slot = tl.load(sslot_ptr)
-        s_rank = tl.where(s_slot >= 0, tl.load(sranks_ptr + tl.maximum(s_slot, 0)), 0)
-        rs = tl.arange(0, S_RANK_P2)
-        r_ok = rs < s_rank
-        s_a = tl.load(sa_ptr + s_slot.to(tl.int64) * stride_sas + rs[:, None].to(tl.int64) * stride_san
-                      + h * HEAD_DIM + offs_d[None, :], mask=r_ok[:, None] & mask_d[None, :], other=0.0)
-    if USE_PDL:
-        launch_next_then_wait()
     kv_len = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
     per_split = tl.cdiv(tl.cdiv(kv_len, num_kv_splits), BLOCK_N) * BLOCK_N
 
@@ -223,30 +213,8 @@ def _decode_stage2_kernel(
             l_i = l_i * old_scale + w
             m_i = m_new
     # kv_len == 0 (no KV at all) yields zeros instead of 0/0.
-    res = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0).to(Out.dtype.element_ty)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, res, mask=mask_d)
-    if SHRINK:  # this head's part of x A^T, x as stored (one row: b = 0); h stays unwritten past the rank
-        part = tl.sum(s_a.to(tl.float32) * res.to(tl.float32)[None, :], axis=1)
-        tl.store(sh_ptr + h * S_MAX_RANK + rs, part, mask=r_ok)
-
-
-def _check_row_shrink(s: RowShrink, batch: int, num_heads: int, head_dim: int, q: torch.Tensor) -> None:
-    k, cols = num_heads * head_dim, s.max_rank
-    if batch != 1 or num_heads > MAX_SPLIT:
-        raise ValueError(f"decode_attention: row_shrink needs one request and at most {MAX_SPLIT} heads, got "
-                         f"{batch} requests and {num_heads} heads")
-    if s.a.dim() != 3 or s.a.shape[1:] != (cols, k) or s.a.stride(2) != 1 or s.a.dtype != q.dtype \
-            or s.a.device != q.device:
-        raise ValueError(f"decode_attention: row_shrink.a must be [num_slots, {cols}, {k}] {q.dtype} contiguous in "
-                         f"its last dim on {q.device}, got {tuple(s.a.shape)} {s.a.dtype} on {s.a.device}")
-    if s.h.shape != (num_heads, cols) or not s.h.is_contiguous() or s.h.dtype != torch.float32 \
-            or s.h.device != q.device:
-        raise ValueError(f"decode_attention: row_shrink.h must be contiguous fp32 [{num_heads}, {cols}] on "
-                         f"{q.device}, got {tuple(s.h.shape)} {s.h.dtype} on {s.h.device}")
-    for what, v, length in (("slot", s.slot, 1), ("ranks", s.ranks, s.a.shape[0])):
-        if v.shape != (length,) or v.dtype != torch.int32 or v.device != q.device:
-            raise ValueError(f"decode_attention: row_shrink.{what} must be int32 [{length}] on {q.device}, got "
-                             f"{v.dtype} {tuple(v.shape)} on {v.device}")
+    res = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=mask_d)
 
 
 def _default_num_kv_splits(batch: int, blocks_per_split_row: int, max_kv_len: int, device: torch.device) -> int:
@@ -268,11 +236,8 @@ def decode_attention(
     num_kv_splits: int | None = None,
     *,
     max_kv_len: int | None = None,  # host-side hint; avoids a device sync when splits are chosen
-    row_shrink: RowShrink | None = None,
 ) -> torch.Tensor:
-    """Single-token attention per request over paged KV (flash-decoding, two stages).
-    `row_shrink` (one request only): the merge kernel also writes the low-rank shrink of the
-    output row, one partial a head (rollout/kernels/low_rank.py RowShrink)."""
+    """Single-token attention per request over paged KV (flash-decoding, two stages)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
     num_heads, num_kv_heads, head_dim = _check_common(q, k_cache, v_cache)
@@ -280,8 +245,6 @@ def decode_attention(
     if kv_indptr.numel() != batch + 1:
         raise ValueError(f"kv_indptr must have batch+1={batch + 1} entries, got {kv_indptr.numel()}")
     out = _prepare_out(q, out)
-    if row_shrink is not None:
-        _check_row_shrink(row_shrink, batch, num_heads, head_dim, q)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
@@ -311,17 +274,11 @@ def decode_attention(
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
         **extra, **pdl.launch(q.device, env=PDL),
     )
-    if row_shrink is None:  # valid pointers the kernel never reads
-        s_args, s_consts = (out, out, out, out, 0, 0), dict(SHRINK=False, S_MAX_RANK=1, S_RANK_P2=1)
-    else:
-        s = row_shrink
-        s_args = (s.a, s.h, s.slot, s.ranks, s.a.stride(0), s.a.stride(1))
-        s_consts = dict(SHRINK=True, S_MAX_RANK=s.max_rank, S_RANK_P2=triton.next_power_of_2(s.max_rank))
     _decode_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, kv_indptr,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        num_kv_splits, *s_args, **s_consts,
+        num_kv_splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         **({"num_warps": 2 if block_d <= 128 else 4, "num_stages": 2} if gpu else {}), **pdl.launch(q.device, env=PDL),
     )

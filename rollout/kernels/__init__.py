@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from rollout.kernels import rotary as rotary
     from rollout.kernels import skinny as skinny
 
-__all__ = ["available", "enabled", "linear", "linear_rope_kv", "linear_silu_mul", "o_shrink_in_attention", "one_row",
-           "rope_epilogue", "rope_folds", "silu_epilogue", "silu_folds", "skinny_matmul", "use_fused"]
+__all__ = ["available", "enabled", "linear", "linear_rope_kv", "linear_silu_mul", "one_row", "rope_epilogue",
+           "rope_folds", "silu_epilogue", "silu_folds", "skinny_matmul", "use_fused"]
 
 # None: automatic (CUDA tensors only). Tests only: True routes CPU tensors through the
 # kernels too (needs TRITON_INTERPRET=1 set before triton is first imported); False keeps
@@ -72,10 +72,6 @@ silu_epilogue: bool = True
 # ... and the qkv projection's GEMV rotates q and k and stores k and v in the KV pool itself
 # (skinny.linear_rope_kv): one rotary launch a layer fewer. False: the two apart (A/B).
 rope_epilogue: bool = True
-# ... and with an adapter on o_proj, its shrink runs in the Triton decode attention's merge kernel
-# (one program a head, each writing its partial: rollout/kernels/low_rank.py RowShrink), not a
-# launch of its own. False: the shrink kernel (lora/kernels/row.py) as before (A/B).
-o_shrink_in_attention: bool = True
 
 
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:

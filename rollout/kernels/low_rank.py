@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_SPLIT", "LowRank", "OneRow", "RowShrink", "reference", "reference_shrink"]
+__all__ = ["MAX_SPLIT", "LowRank", "OneRow", "reference"]
 
 # h's partials at most: each GEMV program loads all of its slice's at once.
 MAX_SPLIT = 32
@@ -49,36 +49,6 @@ class LowRank:
     @property
     def num_slices(self) -> int:
         return len(self.slice_offsets) - 1
-
-
-@dataclass(frozen=True)
-class RowShrink:
-    """The shrink ``h = x A_slot^T`` of one row, computed by the kernel that writes x instead
-    of a launch of its own: at batch 1 the attention's merge kernel (one program a head,
-    rollout/attention/triton_kernels.py) holds head j's D outputs as it stores them, so it
-    writes ``h[j, r] = sum_d x[j*D + d] * a[slot, r, j*D + d]`` (x as rounded to its dtype,
-    for r < ranks[slot]; nothing for slot -1), and the o projection's GEMV sums the heads'
-    partials in its epilogue (a LowRank with this h). One launch a layer fewer on the chain.
-
-    a: [num_slots, max_rank, K] in x's dtype (one slice); h: fp32 [heads, max_rank], written
-    here, read by the epilogue (heads <= MAX_SPLIT); slot: int32 [1]; ranks: int32 [num_slots]."""
-
-    a: torch.Tensor
-    h: torch.Tensor
-    slot: torch.Tensor
-    ranks: torch.Tensor
-    max_rank: int
-
-
-def reference_shrink(x: torch.Tensor, shrink: RowShrink) -> torch.Tensor:
-    """Torch twin of a RowShrink's h summed over its partials: [max_rank] fp32 (zeros past the
-    slot's rank). Syncs (reads the slot): tests only."""
-    slot = int(shrink.slot[0])
-    out = torch.zeros(shrink.max_rank, dtype=torch.float32, device=x.device)
-    rank = int(shrink.ranks[slot]) if slot >= 0 else 0
-    if rank:
-        out[:rank] = shrink.a[slot, :rank].float() @ x.reshape(-1).float()
-    return out
 
 
 @dataclass(frozen=True)

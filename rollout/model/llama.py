@@ -18,7 +18,7 @@ from torch import nn
 
 from rollout import kernels
 from rollout.distributed.tp import SINGLE, TensorParallel
-from rollout.kernels.low_rank import MAX_SPLIT, OneRow, RowShrink
+from rollout.kernels.low_rank import OneRow
 from rollout.model.config import ModelConfig
 from rollout.model.parallel import make_embedding
 
@@ -39,10 +39,6 @@ class LoraProjection(Protocol):
     def one_row(self, x: torch.Tensor) -> OneRow | None: ...
 
     def finish(self, pending: Any, out: torch.Tensor) -> torch.Tensor | None: ...
-
-    def row_shrink(self, x_like: torch.Tensor, splits: int) -> RowShrink | None: ...
-
-    def row_term(self, shrink: RowShrink) -> OneRow: ...
 
     @property
     def concurrent(self) -> bool:
@@ -243,27 +239,10 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k, v=v, delta=delta, kv=kv)
-        # batch 1 with an adapter on o_proj: the attention's merge kernel writes its shrink
-        shrink = self._o_shrink(q, backend)
-        o = backend.forward(q, k, v, self.layer_id, stored=kv is not None, row_shrink=shrink)  # [T, H, D]
-        o_row = self.o_proj.lora.row_term(shrink) if shrink is not None else None  # type: ignore[union-attr]
+        o = backend.forward(q, k, v, self.layer_id, stored=kv is not None)  # [T, H, D]
         # row-parallel: each rank's delta is a partial sum the all-reduce must carry
-        out, delta = self.o_proj.forward_deferred(o.reshape(t, self.q_size), defer=self.tp.size == 1, row=o_row)
+        out, delta = self.o_proj.forward_deferred(o.reshape(t, self.q_size), defer=self.tp.size == 1)
         return self.tp.all_reduce(out), delta  # partial sums over heads
-
-    def _o_shrink(self, q: torch.Tensor, backend: AttentionBackend) -> RowShrink | None:
-        """o_proj's adapter shrink for the attention to write, where o_proj runs one row on the
-        skinny GEMV with its term and this step's attention kernel can (a launch a layer fewer:
-        RowShrink). Without TP: a rank's heads would give a partial h the epilogue cannot sum."""
-        o_proj = self.o_proj
-        if o_proj.lora is None or q.shape[0] != 1 or self.tp.size != 1 or self.num_heads > MAX_SPLIT \
-                or not kernels.o_shrink_in_attention:
-            return None
-        x_like = q.reshape(1, self.q_size)  # the attention's output row: same shape, dtype, device
-        if o_proj.matmul is not kernels.linear or not kernels.one_row(x_like, o_proj.weight) \
-                or not backend.fuses_row_shrink():
-            return None
-        return o_proj.lora.row_shrink(x_like, self.num_heads)
 
 
 class MLP(nn.Module):

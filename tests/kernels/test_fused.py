@@ -210,7 +210,7 @@ class _CausalAttention:
         return None  # no pool: forward gets k and v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                stored: bool = False, row_shrink: None = None) -> torch.Tensor:
+                stored: bool = False) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]
         group = q.shape[1] // k.shape[1]
         k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))

@@ -332,8 +332,8 @@ class _PoolBackend:
     def kv_target(self, layer_id: int):
         return self.target
 
-    def forward(self, q, k, v, layer_id, stored=False, row_shrink=None):
-        assert stored and row_shrink is None
+    def forward(self, q, k, v, layer_id, stored=False):
+        assert stored
         self.stored.append(stored)
         return q
 

@@ -35,11 +35,8 @@ class _CausalAttention:
     def kv_target(self, layer_id: int) -> None:
         return None  # no pool: forward gets k and v
 
-    def fuses_row_shrink(self) -> bool:
-        return False
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                stored: bool = False, row_shrink: None = None) -> torch.Tensor:
+                stored: bool = False) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
         return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True).transpose(0, 1)
