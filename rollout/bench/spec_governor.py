@@ -7,6 +7,14 @@ One engine (a benchmark shape, random weights, greedy, ignore_eos) at each batch
   step without overlap and probed in alternation;
 - good: the suffix drafter with a warm history of the same greedy rollout (every draft
   right), governor on ("now").
+
+The random weights are rewritten into a successor model first (`successor_model`): every
+layer's o_proj and down_proj are zero, so the residual stream is the token's embedding, and
+the lm_head maps it to a fixed random successor with a wide margin. Each step still reads
+every weight and attends over the whole context (the cost is the 8B model's), but greedy
+decoding is a fixed walk that no kernel's rounding changes. (With plain random weights the
+logits are nearly flat, so an earlier rollout stops predicting the next one as soon as a
+verify step's kernels round differently from a decode step's, and "good" drafts were not.)
 ms per emitted token-step (the timed generate's wall time over the decode steps plain decoding
 would take), so rows compare directly.
 """
@@ -37,6 +45,25 @@ class WrongDrafter(Drafter):
         pass  # stay at full length: the worst case the governor must catch
 
 
+@torch.no_grad()
+def successor_model(engine, seed: int = 0) -> None:
+    """Rewrite the engine's weights in place (its CUDA graphs keep their addresses) so greedy
+    decoding follows a random permutation: token t -> perm[t], whatever kernels run."""
+    model = engine.runner.model
+    for layer in model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    model.norm.weight.fill_(1.0)
+    if model.lm_head is None:
+        raise ValueError("successor_model needs an untied lm_head (llama8b has one)")
+    emb = model.embed_tokens.weight
+    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
+    # lm_head row perm[t] = e_t: logits[perm[t]] = |e_t|^2 / rms against random dot products elsewhere
+    rows = torch.empty_like(emb)
+    rows[perm] = emb
+    model.lm_head.weight.copy_(rows)
+
+
 def run(args) -> None:
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import SHAPES, write_shape_dir
@@ -49,6 +76,7 @@ def run(args) -> None:
     engine = Engine(EngineConfig(model=path, dtype="bfloat16" if cuda else "float32", device=args.device,
                                  load_format="dummy", page_size=16, max_running_requests=max(args.batches),
                                  speculative="suffix", gpu_memory_fraction=0.5))
+    successor_model(engine)
     loop = engine.loop
     overlap_plain = loop.overlap_plain
     g = torch.Generator().manual_seed(0)
