@@ -11,9 +11,9 @@ from rollout.cache.kv_pool import KVPool
 # Decode graphs of at most this many rows run Triton's decode kernel under `auto` (small_decode.py).
 # A replayed FlashInfer graph re-plans on the host first (its split-KV schedule, pinned copies):
 # without overlap, and in every verify step, that host time is exposed. On an H200 (8B shape,
-# BENCHMARKS.md "the verify step's host time") Triton's graphs ran batch 4 and 16 decode 3-13%
-# faster with overlap and 16-25% without, and verify steps of 5-64 rows 10-18% faster; FlashInfer
-# kept a 3% lead at 64 plain rows with overlap. 48 ends the range before that.
+# BENCHMARKS.md "the verify step's host time") Triton's graphs ran batch 4-32 decode 4-13%
+# faster with overlap and 14-25% without, and verify steps of 5-64 rows 14-20% faster; at 48
+# rows the two drew level, and FlashInfer kept a 3% lead at 64 plain rows with overlap.
 SMALL_DECODE_ROWS = 48
 
 
