@@ -23,8 +23,8 @@ wait is plain decoding's (`observe_drain`), and it lands before the decision.
 
 A probe whose drafting is clearly losing ends early: once plain decoding has its `probe`
 steps and drafting EARLY_STEPS, drafting at under LOSING of plain's rate is switched off
-without the rest of its block. Each poor drafting step costs a verify step's price (1.2-1.8x
-a decode step on an H200, BENCHMARKS.md), so this halves what a poor case pays per probe.
+without the rest of its block. Each poor drafting step costs a verify step's price (1.2-2.3x
+a decode step on an H200, BENCHMARKS.md), and a poor case now pays 2 of them a probe, not 4.
 """
 
 from __future__ import annotations

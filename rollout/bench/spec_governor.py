@@ -15,6 +15,7 @@ every weight and attends over the whole context (the cost is the 8B model's), bu
 decoding is a fixed walk that no kernel's rounding changes. (With plain random weights the
 logits are nearly flat, so an earlier rollout stops predicting the next one as soon as a
 verify step's kernels round differently from a decode step's, and "good" drafts were not.)
+
 ms per emitted token-step (the timed generate's wall time over the decode steps plain decoding
 would take), so rows compare directly.
 """
@@ -46,9 +47,10 @@ class WrongDrafter(Drafter):
 
 
 @torch.no_grad()
-def successor_model(engine, seed: int = 0) -> None:
+def successor_model(engine, seed: int = 0) -> torch.Tensor:
     """Rewrite the engine's weights in place (its CUDA graphs keep their addresses) so greedy
-    decoding follows a random permutation: token t -> perm[t], whatever kernels run."""
+    decoding follows a random permutation: token t -> perm[t], whatever kernels run. Returns
+    perm (on the CPU)."""
     model = engine.runner.model
     for layer in model.layers:
         layer.self_attn.o_proj.weight.zero_()
@@ -57,11 +59,12 @@ def successor_model(engine, seed: int = 0) -> None:
     if model.lm_head is None:
         raise ValueError("successor_model needs an untied lm_head (llama8b has one)")
     emb = model.embed_tokens.weight
-    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
+    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
     # lm_head row perm[t] = e_t: logits[perm[t]] = |e_t|^2 / rms against random dot products elsewhere
     rows = torch.empty_like(emb)
-    rows[perm] = emb
+    rows[perm.to(emb.device)] = emb
     model.lm_head.weight.copy_(rows)
+    return perm
 
 
 def run(args) -> None:

@@ -4,9 +4,9 @@ At one batch size (the first of --batches), the engine steps a running batch at 
 without speculation (overlap off and on) and with a fixed drafter proposing K tokens every
 step (overlap off, as a drafting step runs), each under torch.profiler. Per variant: wall ms
 per step, device (kernel) ms per step, the gap (the device idle: host work not hidden), and
-the top kernels by device time per step (and with --profile-host N, the N Python functions of
-most own time over the steps without overlap, from cProfile), so "verify costs 1.5x decode" splits into kernels
-that cost more and host time that is exposed.
+the top kernels by device time per step; with --profile-host N also the N Python functions of
+most own time over the steps without overlap (cProfile). So "verify costs 1.5x decode" splits
+into kernels that cost more and host time that is exposed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ def profile_variant(engine, prompts, params, label: str, steps: int, top: int, h
     cuda = torch.device(engine.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
-    steps0 = engine.counters.steps
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -43,11 +42,10 @@ def profile_variant(engine, prompts, params, label: str, steps: int, top: int, h
         for _ in range(steps):
             engine.step()
         sync()
-    emitted = engine.counters.steps - steps0
     kernels = [e for e in prof.key_averages() if _device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
     device = sum(_device_us(e) for e in kernels) / 1e3 / steps
     print(f"\n{label}: {wall:.2f} ms per step (unprofiled), kernels {device:.2f} ms per step, "
-          f"device idle {wall - device:.2f} ms ({emitted} steps)")
+          f"device idle {wall - device:.2f} ms ({steps} steps each)")
     kernels.sort(key=_device_us, reverse=True)
     for e in kernels[:top]:
         print(f"  {_device_us(e) / 1e3 / steps:7.3f} ms  {e.count / steps:6.1f}/step  {e.key[:110]}")

@@ -58,3 +58,24 @@ def test_draft_coverage_counts_matches_support_and_hits() -> None:
     assert (c.positions, c.matched, c.in_support) == (4, 3, 3)
     assert c.point == 2, "after (10, 11) the latest continuation is 14, not the 12 drawn"
     assert c.coupled >= 2
+
+
+def test_successor_model_makes_greedy_decoding_a_fixed_walk() -> None:
+    """The governor bench's model (rollout/bench/spec_governor.py): after the rewrite, greedy
+    decoding from any prompt follows the permutation, so a rollout's history predicts it."""
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.bench.spec_governor import successor_model
+    from rollout.model.shapes import write_shape_dir
+
+    engine = Engine(EngineConfig(model=write_shape_dir("tiny"), dtype="float32", device="cpu", load_format="dummy",
+                                 page_size=16, max_running_requests=4))
+    perm = successor_model(engine, seed=3).tolist()
+    prompts = [[7, 300, 41, 9], [120, 5]]
+    outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=12,
+                                                                            ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        walk, token = [], prompt[-1]
+        for _ in range(12):
+            token = perm[token]
+            walk.append(token)
+        assert out.token_ids == walk
