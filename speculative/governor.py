@@ -21,10 +21,12 @@ drafting steps, every one counted as drafting (overlap is off for all of them, d
 not). The first drafting step reads back the last plain step's tokens before it drafts; that
 wait is plain decoding's (`observe_drain`), and it lands before the decision.
 
-A probe whose drafting is clearly losing ends early: once plain decoding has its `probe`
-steps and drafting EARLY_STEPS, drafting at under LOSING of plain's rate is switched off
-without the rest of its block. Each poor drafting step costs a verify step's price (1.2-2.3x
-a decode step on an H200, BENCHMARKS.md), and a poor case now pays 2 of them a probe, not 4.
+A probe whose drafting is clearly losing ends early: once each mode has EARLY_STEPS steps,
+drafting at under LOSING of plain's rate is switched off without the rest of the probe. Each
+poor drafting step costs a verify step's price (1.2-2.3x a decode step on an H200, several
+times one on a CPU: BENCHMARKS.md), and a poor case now pays 2 of them a probe, not 4. One
+that is hopeless (under HOPELESS of plain's rate: a batch-64 verify of 4 wrong drafts on the
+H200 runs at 0.44) holds plain decoding twice as long, and its next hold grows 4x, not 2x.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ FIRST_OFF = 16  # steps plain decoding holds after winning a probe (doubling whi
 MAX_OFF = 512
 EARLY_STEPS = 2  # drafting steps after which a clearly losing probe ends
 LOSING = 0.75  # ... clearly: at under this fraction of plain decoding's rate
+HOPELESS = 0.5  # a verdict at under this fraction holds plain decoding longer
 
 
 class SpeedGovernor:
     def __init__(self, probe: int = PROBE, hold_on: int = HOLD_ON, first_off: int = FIRST_OFF,
-                 max_off: int = MAX_OFF, blocks: bool = False) -> None:
+                 max_off: int = MAX_OFF, blocks: bool = False, early_stop: bool = True) -> None:
         self.probe, self.hold_on, self.first_off, self.max_off = probe, hold_on, first_off, max_off
         self.blocks = blocks  # probe plain steps in a row, then drafting ones (overlapped plain steps)
+        self.early_stop = early_stop  # end clearly losing probes early, hold hopeless ones longer (benches: False)
         self.drafting = not blocks  # the mode of the next step
         self.probing = True
         self.rate = {True: 0.0, False: 0.0}  # emitted tokens/s of each mode in the last probe
@@ -77,8 +81,8 @@ class SpeedGovernor:
             self.drafting = not mode
 
     def _losing(self) -> bool:
-        """Plain decoding fully timed, drafting for EARLY_STEPS, and drafting far behind."""
-        if self._steps[False] < self.probe or self._steps[True] < min(EARLY_STEPS, self.probe):
+        """Both modes timed for EARLY_STEPS, and drafting far behind."""
+        if not self.early_stop or min(self._steps.values()) < min(EARLY_STEPS, self.probe):
             return False
         plain = self._tokens[False] / self._seconds[False] if self._seconds[False] > 0 else 0.0
         return self._tokens[True] < LOSING * plain * self._seconds[True]
@@ -111,5 +115,6 @@ class SpeedGovernor:
         if self.drafting:
             self._hold, self._off_length = self.hold_on, self.first_off
         else:
-            self._hold = self._off_length
-            self._off_length = min(2 * self._off_length, self.max_off)
+            hopeless = self.early_stop and self.rate[True] < HOPELESS * self.rate[False]
+            self._hold = min(self._off_length * (2 if hopeless else 1), self.max_off)
+            self._off_length = min((4 if hopeless else 2) * self._off_length, self.max_off)

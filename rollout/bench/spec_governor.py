@@ -3,8 +3,9 @@
 One engine (a benchmark shape, random weights, greedy, ignore_eos) at each batch size:
 - plain: no drafter, overlap scheduling on (what "off" means);
 - poor: drafts that are always wrong (random tokens, full length every step), governor on;
-  "now" overlaps the steps the governor keeps plain and probes in blocks, "before" ran every
-  step without overlap and probed in alternation;
+  "now" overlaps the steps the governor keeps plain and probes in blocks (on CUDA), ending a
+  clearly losing probe early; "before" is the governor of the morning of 2026-12-02: every
+  step without overlap, probes in alternation, each probe to its end;
 - good: the suffix drafter with a warm history of the same greedy rollout (every draft
   right), governor on ("now").
 
@@ -106,8 +107,8 @@ def run(args) -> None:
 
     last = [0, 0.0, 0, 0]  # the last timed run's steps, verify steps per request, drafted, accepted tokens
 
-    def governed(drafter: Drafter, blocks: bool) -> Drafter:
-        drafter.governor = SpeedGovernor(blocks=blocks)
+    def governed(drafter: Drafter, blocks: bool, early_stop: bool = True) -> Drafter:
+        drafter.governor = SpeedGovernor(blocks=blocks, early_stop=early_stop)
         return drafter
 
     print(f"\n{args.shape}, {'bf16' if cuda else 'fp32'}, {args.device}: ms per token-step, greedy, {new} new tokens, "
@@ -118,7 +119,8 @@ def run(args) -> None:
         prompts = torch.randint(100, vocab - 100, (batch, args.context), generator=g).tolist()
         plain = timed(prompts, None)
         poor_now = timed(prompts, governed(WrongDrafter(vocab, engine.config.num_speculative_tokens), overlap_plain))
-        poor_before = timed(prompts, governed(WrongDrafter(vocab, engine.config.num_speculative_tokens), False), False)
+        poor_before = timed(prompts, governed(WrongDrafter(vocab, engine.config.num_speculative_tokens), False, False),
+                            False)
         suffix = SuffixDrafter(engine.config.num_speculative_tokens, engine.context_len, 1 << 30)
         # fills the history with this very rollout (and leaves the prompts cached, as the warm-up
         # before every other timing does: the timed runs compare decode steps, not prefills)

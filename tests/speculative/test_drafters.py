@@ -236,6 +236,27 @@ def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_a
     assert not short.probing and not short.drafting, "clearly losing after two drafting steps: off at once"
     assert short.rate == {True: 65.0, False: 100.0}
 
+    alternating = SpeedGovernor(probe=4, hold_on=6, first_off=4, max_off=64)  # CPU: no overlap to keep
+    for _ in range(4):  # drafting, plain, drafting, plain: 2 steps of each, level
+        alternating.observe(1.0, 100)
+    assert alternating.probing, "drafting level with plain decoding is not losing: the probe runs on"
+    hopeless = SpeedGovernor(probe=4, hold_on=6, first_off=4, max_off=64)
+    modes = []
+    for _ in range(4):
+        modes.append(hopeless.drafting)
+        hopeless.observe(1.0, 40 if hopeless.drafting else 100)
+    assert modes == [True, False, True, False] and not hopeless.probing and not hopeless.drafting, \
+        "2 steps of each, drafting at 40% of plain's rate: off without the rest of the probe"
+    assert hopeless._hold == 8 and hopeless._off_length == 16, "hopeless: twice the hold, and it grows 4x"
+    for _ in range(8):
+        hopeless.observe(1.0, 100)
+    assert hopeless.probing
+    to_the_end = SpeedGovernor(probe=4, hold_on=6, first_off=4, max_off=64, early_stop=False)  # benches' "before"
+    for _ in range(8):
+        to_the_end.observe(1.0, 40 if to_the_end.drafting else 100)
+        assert to_the_end.probing or to_the_end._steps == {True: 4, False: 4}
+    assert not to_the_end.drafting and to_the_end._hold == 4 and to_the_end._off_length == 8
+
     early = SpeedGovernor(probe=2, hold_on=6, first_off=4)
     for _ in range(5):  # drafting on, but nothing repeats yet: these steps are plain decoding's
         early.observe(1.0, 50, verified=False)
