@@ -21,7 +21,12 @@ length measured on the CPU rows.
     python -m scripts.bench_spec --host-only
     python -m scripts.bench_spec --grpo-epochs [--dataset-size 64 --epochs 2 --k 8 --batch1-k 4 8]
     python -m scripts.bench_spec --gpu [--batches 1 64 --max-k 8 --no-eager --no-draft-model]
-    python -m scripts.bench_spec --gpu-governor [--batches 1 64]   (rollout/bench/spec_governor.py)
+    python -m scripts.bench_spec --gpu --batches 1 --profile-verify 4 [--profile-host 30]
+        (where a verify step's time goes against a decode step: rollout/bench/spec_profile.py)
+    python -m scripts.bench_spec --gpu-governor [--batches 1 64 --new-gpu 129]
+        (poor and good drafts under the governor against plain: rollout/bench/spec_governor.py)
+--small-decode-rows R (any GPU mode) sets rollout.attention.SMALL_DECODE_ROWS before the engine
+is built: decode graphs of at most R rows attend with the Triton kernel.
 """
 
 from __future__ import annotations
