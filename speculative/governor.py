@@ -35,7 +35,7 @@ PROBE = 4  # decode steps of each mode per probe
 HOLD_ON = 64  # steps drafting holds after winning a probe
 FIRST_OFF = 16  # steps plain decoding holds after winning a probe (doubling while it wins)
 MAX_OFF = 512
-EARLY_STEPS = 2  # drafting steps after which a clearly losing probe ends
+EARLY_STEPS = 2  # steps of each mode after which a clearly losing probe ends
 LOSING = 0.75  # ... clearly: at under this fraction of plain decoding's rate
 HOPELESS = 0.5  # a verdict at under this fraction holds plain decoding longer
 
@@ -84,8 +84,11 @@ class SpeedGovernor:
         """Both modes timed for EARLY_STEPS, and drafting far behind."""
         if not self.early_stop or min(self._steps.values()) < min(EARLY_STEPS, self.probe):
             return False
-        plain = self._tokens[False] / self._seconds[False] if self._seconds[False] > 0 else 0.0
-        return self._tokens[True] < LOSING * plain * self._seconds[True]
+        return self._rate(True) < LOSING * self._rate(False)
+
+    def _rate(self, mode: bool) -> float:
+        """Emitted tokens/s of a mode over this probe so far."""
+        return self._tokens[mode] / self._seconds[mode] if self._seconds[mode] > 0 else 0.0
 
     def observe_drain(self, seconds: float, tokens: int) -> None:
         """A drafting step first read back the overlapped plain step before it: that wait and
@@ -109,7 +112,7 @@ class SpeedGovernor:
 
     def _decide(self) -> None:
         for mode in (True, False):
-            self.rate[mode] = self._tokens[mode] / self._seconds[mode] if self._seconds[mode] > 0 else 0.0
+            self.rate[mode] = self._rate(mode)
         self.probing = False
         self.drafting = self.rate[True] >= self.rate[False]
         if self.drafting:
