@@ -247,6 +247,11 @@ def gpu(args) -> None:
         def observe_step(self, req, drafted, accepted):
             pass
 
+    def fixed(k: int) -> FixedDrafter:  # k drafts every step, no governor to turn them off
+        drafter = FixedDrafter(k, 10_000)
+        drafter.governor = None
+        return drafter
+
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def step_ms(engine, prompts, new: int = args.new_gpu) -> float:
@@ -279,8 +284,7 @@ def gpu(args) -> None:
         overlap = step_ms(engine, prompts[batch])
         engine.loop.overlap = False
         for k in range(0, args.max_k + 1):
-            engine.drafter = engine.loop.drafter = FixedDrafter(max(k, 1), 10_000) if k else None
-            engine.drafter and setattr(engine.drafter, "governor", None)
+            engine.drafter = engine.loop.drafter = fixed(k) if k else None
             engine.runner.verify_rows_max = None
             times.append(step_ms(engine, prompts[batch]))
             if k:
@@ -299,11 +303,6 @@ def gpu(args) -> None:
         print(f"{batch:>5} | " + " | ".join(cells))
     if args.profile_verify:
         from rollout.bench.spec_profile import run as profile_verify
-
-        def fixed(k):
-            drafter = FixedDrafter(k, 10_000)
-            drafter.governor = None
-            return drafter
 
         profile_verify(engine, prompts[batches[0]], fixed, args.profile_verify, host_top=args.profile_host)
     del engine

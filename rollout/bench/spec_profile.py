@@ -24,8 +24,10 @@ def _device_us(event) -> float:
 
 
 def profile_variant(engine, prompts, params, label: str, steps: int, top: int, host_top: int = 0) -> None:
-    engine.generate(input_ids=prompts, sampling_params=params.__class__(temperature=0, max_new_tokens=4,
-                                                                        ignore_eos=True))  # warm shapes
+    from rollout import SamplingParams
+
+    warm = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    engine.generate(input_ids=prompts, sampling_params=warm)  # kernels and graphs of these shapes
     for p in prompts:
         engine.add_request(p, params)
     run_to_decode(engine, warm_steps=3)
