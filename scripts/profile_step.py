@@ -112,17 +112,10 @@ def main() -> None:
 
 
 def load_adapters(engine, cfg: dict, count: int) -> list[str]:
-    """`count` random rank-16 adapters on all seven modules (scripts.bench_lora's), loaded."""
-    if count <= 0:
-        return []
-    from scripts.bench_lora import MODULES, random_adapter
+    """`count` random rank-16 adapters on all seven modules, loaded."""
+    from rollout.bench.adapters import load_random_adapters
 
-    dtype = engine.config.torch_dtype
-    names = [f"lora{i}" for i in range(count)]
-    for i, name in enumerate(names):
-        engine.load_lora_adapter(name, tensors=random_adapter(cfg, 16, i, engine.device, dtype),
-                                 config=dict(r=16, lora_alpha=32, target_modules=MODULES))
-    return names
+    return load_random_adapters(engine, cfg, count) if count > 0 else []
 
 
 def profile_prefill(engine, args, vocab: int, sync, names: list[str]) -> None:

@@ -25,8 +25,9 @@ from rollout.kernels.low_rank import MAX_SPLIT
 
 __all__ = ["BLOCK_K", "shrink_row", "splits"]
 
-BLOCK_K = 1024  # K per program: one [BLOCK_R, BLOCK_K] load of A
+BLOCK_K = 512  # K per program: one [BLOCK_R, BLOCK_K] load of A (launch shapes: BENCHMARKS.md, multi-LoRA session 13)
 _BLOCK_R = 16  # rank columns per program
+NUM_WARPS = 4  # per program; BLOCK_K and this are read at each launch (lora/kernels/bench_row.py sweeps them)
 # Under the interpreter (CPU tests), K blocks this wide so several splits run on tiny shapes.
 INTERPRETER_BLOCK_K = 32
 
@@ -87,6 +88,6 @@ def shrink_row(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_
     r_blocks = triton.cdiv(max_rank, _BLOCK_R)
     _shrink_row_kernel[(num_slices * r_blocks, split)](
         x, weights, h, slot, slot_ranks, hidden, weights.stride(0), weights.stride(1),
-        MAX_RANK=max_rank, COLS=cols, R_BLOCKS=r_blocks, BLOCK_R=_BLOCK_R, BLOCK_K=block_k, num_warps=4,
+        MAX_RANK=max_rank, COLS=cols, R_BLOCKS=r_blocks, BLOCK_R=_BLOCK_R, BLOCK_K=block_k, num_warps=NUM_WARPS,
         **pdl.launch(x.device))
     return h

@@ -1,0 +1,103 @@
+"""Batch-1 decode with one adapter, over the one-row shrink's launch shapes (GPU).
+
+    python -m lora.kernels.bench_row [--shape llama8b --context 256 --steps 100 --rounds 3]
+    python -m lora.kernels.bench_row --device cpu     # a smoke run (tiny shape, interpreter)
+
+At batch 1 an adapter's cost is the shrink kernel before each projection (lora/kernels/row.py)
+on the step's chain: 128 launches a Llama-3-8B step. What a launch shape changes there is
+latency, which no kernel-alone timing shows, so this times the engine itself: one engine
+(overlap on, decode graphs, one rank-16 adapter on all seven modules), its decode graphs
+re-captured for each (BLOCK_K, num_warps) of the shrink, and for each, in rounds that
+interleave the shapes: a request under the adapter and one without it (the plain graph),
+`steps` engine steps each (ms a step, wall), and the device time of one replay of the
+adapter's graph alone (`do_bench`, its static inputs as the last step left them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", nargs="+", default=["1024:4", "512:4", "512:2", "256:2", "256:1", "2048:4", "1024:8"],
+                    help="BLOCK_K:num_warps of the one-row shrink")
+    args = ap.parse_args()
+    from lora.kernels import row
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.bench.adapters import load_random_adapters
+    from rollout.bench.steady import run_to_decode
+    from rollout.model.shapes import SHAPES, write_shape_dir
+
+    cuda = args.device.startswith("cuda")
+    if not cuda:
+        args.shape, args.context, args.steps, args.rounds, args.shapes = "tiny", 16, 3, 1, args.shapes[:2]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    engine = Engine(EngineConfig(model=write_shape_dir(args.shape, prefix=f"bench-row-{args.shape}-"),
+                                 dtype="bfloat16" if cuda else "float32", device=args.device, load_format="dummy",
+                                 page_size=16, max_running_requests=1, cuda_graph_max_bs=1, gpu_memory_fraction=0.6,
+                                 cuda_graph=cuda, overlap_schedule=cuda, enable_lora=True, max_loras_per_batch=1,
+                                 max_lora_rank=16))
+    cfg = SHAPES[args.shape]
+    (name,) = load_random_adapters(engine, cfg, 1)
+    prompt = torch.randint(100, cfg["vocab_size"] - 100, (args.context,)).tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=args.steps + 16, ignore_eos=True)
+    runner = engine.runner
+
+    def steps(lora: str | None) -> tuple[float, float | None]:
+        """ms a step over `steps` steps of one request, then the device ms of one replay."""
+        req = engine.add_request(prompt, params, lora_name=lora)
+        run_to_decode(engine, warm_steps=3)
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+        wall = 1e3 * (time.perf_counter() - start) / args.steps
+        replay = None
+        if cuda:
+            from triton.testing import do_bench
+
+            graph = (runner.graphs.lora_graphs if lora else runner.graphs.graphs)[1]
+            replay = float(do_bench(graph.replay, warmup=10, rep=100))
+        engine.abort(req)
+        while engine.has_unfinished():
+            engine.step()
+        return wall, replay
+
+    results: dict[str, dict[str, list[float]]] = {}
+    for r in range(args.rounds):
+        for shape in (args.shapes if r % 2 == 0 else list(reversed(args.shapes))):
+            block_k, warps = (int(v) for v in shape.split(":"))
+            row.BLOCK_K, row.NUM_WARPS = block_k, warps
+            if cuda:
+                runner.capture_decode_graphs(1, runner.graphs.max_context)
+            got = results.setdefault(shape, {"base": [], "lora": [], "base_dev": [], "lora_dev": []})
+            for kind in ("base", "lora"):
+                wall, dev = steps(name if kind == "lora" else None)
+                got[kind].append(wall)
+                if dev is not None:
+                    got[kind + "_dev"].append(dev)
+    med = statistics.median
+    print(f"\n{args.shape}, batch 1, context ~{args.context}, one rank-16 adapter on all seven modules; "
+          f"median of {args.rounds} rounds of {args.steps} steps (wall ms a step) and of the graph replays (device ms)")
+    print("| BLOCK_K:warps | base step | adapter step | added | base replay | adapter replay | added |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for shape, got in results.items():
+        b, a = med(got["base"]), med(got["lora"])
+        dev = (f"{med(got['base_dev']):.3f} | {med(got['lora_dev']):.3f} | {med(got['lora_dev']) - med(got['base_dev']):+.3f}"
+               if got["lora_dev"] else "- | - | -")
+        print(f"| {shape} | {b:.3f} | {a:.3f} | {a - b:+.3f} ({a / b - 1:+.1%}) | {dev} |")
+
+
+if __name__ == "__main__":
+    main()
