@@ -19,6 +19,7 @@ from rollout.request import Req
 from speculative.governor import SpeedGovernor
 
 PAUSE_STEPS = 16  # steps a request waits before drafting again after its length fell to 0
+CHECK_REQUESTS = 4  # running requests an idle governor's look for drafts asks about (governor.py)
 
 
 class Drafter(ABC):
@@ -26,6 +27,7 @@ class Drafter(ABC):
         self.max_tokens = max_tokens
         self.context_len = context_len
         self.governor: SpeedGovernor | None = SpeedGovernor()  # None: always draft
+        self._look_at = 0  # where the next look for drafts starts among the running requests
 
     @property
     def drafting(self) -> bool:
@@ -42,6 +44,8 @@ class Drafter(ABC):
         for req in running:
             req.draft_tokens = []
         if self.governor is not None and not self.governor.drafting:
+            if self.governor.check_due() and self.has_draft(running):
+                self.governor.drafts_appeared()
             return  # plain decoding is faster right now (governor.py)
         self.begin_step(running)
         wanted: list[tuple[Req, int]] = []
@@ -60,6 +64,19 @@ class Drafter(ABC):
                 wanted.append((req, k))
         for (req, k), drafts in zip(wanted, self.propose_batch(wanted)):
             req.draft_tokens = drafts[:k]
+
+    def has_draft(self, running: list[Req]) -> bool:
+        """Would any of a few running requests (CHECK_REQUESTS, in turn) get a draft on the
+        tokens the host knows? An idle governor's look (governor.py); a drafter whose
+        proposals cost device work says False (it is not asked between steps)."""
+        decoding = [r for r in running if r.output_ids and r.spec_pause <= 0]
+        for i in range(min(CHECK_REQUESTS, len(decoding))):
+            req = decoding[(self._look_at + i) % len(decoding)]
+            if self.propose(req, 1):
+                self._look_at += i + 1
+                return True
+        self._look_at += CHECK_REQUESTS
+        return False
 
     def begin_step(self, running: list[Req]) -> None:
         """Before the step's proposals (a drafter that looks across requests indexes them here)."""

@@ -79,6 +79,10 @@ class DraftModelDrafter(Drafter):
     def propose(self, req: Req, k: int) -> list[int]:
         return self.propose_batch([(req, k)])[0]
 
+    def has_draft(self, running: list[Req]) -> bool:
+        """A draft model always drafts once its weights are current: the look would be a forward."""
+        return False
+
     # ---- drafting ---------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Req, int]]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in wanted]

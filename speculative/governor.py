@@ -27,6 +27,17 @@ poor drafting step costs a verify step's price (1.2-2.3x a decode step on an H20
 times one on a CPU: BENCHMARKS.md), and a poor case now pays 2 of them a probe, not 4. One
 that is hopeless (under HOPELESS of plain's rate: a batch-64 verify of 4 wrong drafts on the
 H200 runs at 0.44) holds plain decoding twice as long, and its next hold grows 4x, not 2x.
+
+A probe whose drafting block verified nothing at all (blocks only: no request had a draft)
+says nothing about drafts, only that there were none; plain decoding then holds FIRST_OFF
+steps and the hold does not grow (an "idle" verdict). Drafts may appear at any step: a
+prompt's first samples finish and their rollouts enter the history the others draft from.
+So during an idle hold the drafter is asked every CHECK_EVERY steps whether a few running
+requests have a draft on the tokens the host knows (`check_due`, Drafter.propose_all); if
+one has, the probe starts at once (`drafts_appeared`). Holds after real losses are not cut
+short (wrong drafts are drafts too). Before this, a run in which drafts appeared late sat in
+a doubled hold: on the H200, batch 16 and 64 with every later draft right never verified
+one in 257 steps (BENCHMARKS.md, speculative decoding, session 13).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ MAX_OFF = 512
 EARLY_STEPS = 2  # steps of each mode after which a clearly losing probe ends
 LOSING = 0.75  # ... clearly: at under this fraction of plain decoding's rate
 HOPELESS = 0.5  # a verdict at under this fraction holds plain decoding longer
+CHECK_EVERY = 4  # steps between the idle hold's looks for drafts
 
 
 class SpeedGovernor:
@@ -52,8 +64,10 @@ class SpeedGovernor:
         self._seconds = {True: 0.0, False: 0.0}
         self._tokens = {True: 0, False: 0}
         self._steps = {True: 0, False: 0}
+        self._verified = 0  # drafting steps of this probe that verified drafts
         self._hold = 0  # steps left in the current mode (not probing)
         self._off_length = first_off
+        self.idle = False  # the plain hold follows a probe with nothing to draft (may end early)
 
     def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
         """One step: its wall time, the tokens it emitted, whether it had no prefill work and
@@ -68,6 +82,7 @@ class SpeedGovernor:
         if not decode_only:
             return
         mode = self.drafting if verified is None or self.blocks else verified
+        self._verified += mode and verified is not False
         self._seconds[mode] += seconds
         self._tokens[mode] += tokens
         self._steps[mode] += 1
@@ -97,6 +112,14 @@ class SpeedGovernor:
             self._seconds[False] += seconds
             self._tokens[False] += tokens
 
+    def check_due(self) -> bool:
+        """Should the drafter look for drafts before this step (an idle hold, every CHECK_EVERY)?"""
+        return self.idle and not self.probing and self._hold % CHECK_EVERY == 0
+
+    def drafts_appeared(self) -> None:
+        """The look found a draft: measure drafting now instead of sitting out the hold."""
+        self._start_probe()
+
     def restart(self) -> None:
         """The policy changed (a weight update): the last verdict was about another model's
         acceptance. Probe at once, and an off verdict starts again from the short hold: an RL
@@ -106,7 +129,7 @@ class SpeedGovernor:
         self._start_probe()
 
     def _start_probe(self) -> None:
-        self.probing, self.drafting = True, not self.blocks
+        self.probing, self.drafting, self.idle, self._verified = True, not self.blocks, False, 0
         for mode in (True, False):
             self._seconds[mode], self._tokens[mode], self._steps[mode] = 0.0, 0, 0
 
@@ -117,6 +140,8 @@ class SpeedGovernor:
         self.drafting = self.rate[True] >= self.rate[False]
         if self.drafting:
             self._hold, self._off_length = self.hold_on, self.first_off
+        elif self._verified == 0:  # nothing was drafted: no verdict on drafts, a short hold that may end early
+            self._hold, self.idle = self.first_off, True
         else:
             hopeless = self.early_stop and self.rate[True] < HOPELESS * self.rate[False]
             self._hold = min(self._off_length * (2 if hopeless else 1), self.max_off)

@@ -34,15 +34,20 @@ def _ms(fn: Callable[[], object], device: torch.device) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def engine_layout(batch: int, prompt: int, context: int, page_size: int, device: torch.device) -> tuple:
+def engine_layout(batch: int, prompt: int, context: int, page_size: int, device: torch.device,
+                  share: int = 1) -> tuple:
     """(kv_indptr int32 [B+1], kv_indices int32 slot ids, num_slots): prompts' pages contiguous
     per request, pages past the prompt handed out round-robin across requests, as the engine's
-    allocator does when a batch decodes in step."""
+    allocator does when a batch decodes in step. `share`: consecutive groups of that many
+    requests hold one prompt's pages (n samples of a prompt through the radix cache)."""
     p = page_size
     prompt_pages, total_pages = -(-prompt // p), -(-context // p)
     pages = [[] for _ in range(batch)]
     nxt = 1  # page 0 is the padding page
     for b in range(batch):
+        if b % share:
+            pages[b] = list(pages[b - 1][:prompt_pages])
+            continue
         pages[b] = list(range(nxt, nxt + prompt_pages))
         nxt += prompt_pages
     for _ in range(total_pages - prompt_pages):
@@ -63,6 +68,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[640])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--share", type=int, default=1,
+                    help="requests per prompt sharing its KV pages (GRPO's n samples through the radix cache)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -81,11 +88,14 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         for context in args.context:
-            indptr, indices, num_slots = engine_layout(batch, min(args.prompt, context), context, ps, device)
+            indptr, indices, num_slots = engine_layout(batch, min(args.prompt, context), context, ps, device,
+                                                         args.share)
             k_buf = torch.randn(num_slots, nkv, d, device=device, dtype=dtype)
             v_buf = torch.randn(num_slots, nkv, d, device=device, dtype=dtype)
             q = torch.randn(batch, nq, d, device=device, dtype=dtype)
+            # bytes each request reads (a prompt shared by `share` requests counts once each)
             kv_bytes = 2 * batch * context * nkv * d * k_buf.element_size()
+            unique = 2 * num_slots * nkv * d * k_buf.element_size()
             variants: dict[str, Callable[[], torch.Tensor]] = {}
             if gpu:
                 variants.update(_flashinfer_variants(q, k_buf, v_buf, indptr, indices, batch, context, ps, scale))
@@ -122,15 +132,16 @@ def main() -> None:
                 except Exception as exc:  # a backend this build lacks: say so, keep going
                     rows.append((batch, context, name, None, None, None, f"{type(exc).__name__}: {exc}"[:80]))
                     continue
-                rows.append((batch, context, name, ms, kv_bytes / ms / 1e9, err, ""))
-            rows.append((batch, context, "floor: flat amax, same bytes", floor_ms, kv_bytes / floor_ms / 1e9, None, ""))
+                rows.append((batch, context, name, ms, kv_bytes / ms / 1e9, err, f"{unique / ms / 1e9:.2f}"))
+            rows.append((batch, context, "floor: flat amax, same bytes", floor_ms, kv_bytes / floor_ms / 1e9, None, "-"))
             del k_buf, v_buf
-    print(f"\n| batch | context | variant | us | TB/s | max diff vs fp32 |\n|---:|---:|---|---:|---:|---:|")
+    print(f"\nshare {args.share}: TB/s counts what each request reads, 'pool TB/s' the distinct pages once")
+    print(f"\n| batch | context | variant | us | TB/s | pool TB/s | max diff vs fp32 |\n|---:|---:|---|---:|---:|---:|---:|")
     for b, c, name, ms, tbs, err, note in rows:
         if ms is None:
-            print(f"| {b} | {c} | {name} | - | - | {note} |")
+            print(f"| {b} | {c} | {name} | - | - | - | {note} |")
         else:
-            print(f"| {b} | {c} | {name} | {ms * 1e3:.1f} | {tbs:.2f} | {'' if err is None else f'{err:.2e}'} |")
+            print(f"| {b} | {c} | {name} | {ms * 1e3:.1f} | {tbs:.2f} | {note} | {'' if err is None else f'{err:.2e}'} |")
 
 
 def _reference(q, k_buf, v_buf, indices, batch, context, scale) -> torch.Tensor:

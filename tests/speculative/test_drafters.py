@@ -264,3 +264,62 @@ def test_governor_turns_drafting_off_while_plain_decoding_is_faster_and_probes_a
     early.observe(1.0, 100, verified=True)
     early.observe(1.0, 100, verified=True)
     assert early.drafting and not early.probing and early.rate == {True: 100.0, False: 50.0}
+
+
+def test_a_probe_with_nothing_to_draft_holds_briefly_and_drafts_appearing_end_the_hold() -> None:
+    """Blocks (CUDA): a probe whose drafting block had no draft at all is no verdict on drafts.
+    Plain decoding holds FIRST_OFF steps without the hold growing, and the suffix drafter's
+    look finds drafts as soon as a sibling's finished rollout enters the history: the probe
+    starts then, not after a doubled hold (the H200 bench: 0 verifies in 257 steps)."""
+    from speculative.governor import CHECK_EVERY, SpeedGovernor
+
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1 << 20)
+    gov = drafter.governor = SpeedGovernor(probe=2, hold_on=6, first_off=8, blocks=True)
+    running = _req([1, 2], [5, 6], rid="second")
+
+    def step(tokens_plain: int = 100, tokens_drafting: int = 90) -> bool:
+        """One engine step as the loop runs it: proposals, then the step's speed."""
+        drafter.propose_all([running])
+        verified = bool(running.draft_tokens)
+        gov.observe(1.0, tokens_drafting if gov.drafting else tokens_plain, verified=verified)
+        return verified
+
+    for _ in range(3):  # probe after probe with nothing to draft (drafting costs overlap: slower)
+        while gov.probing:
+            assert not step()
+        assert not gov.drafting and gov.idle and gov._hold == 8, "a short hold: nothing was drafted"
+        assert gov._off_length == 8, "and it does not grow"
+        for _ in range(8):
+            assert not step()
+    assert gov.probing
+    while gov.probing:
+        step()
+    assert gov.idle and not gov.probing
+    step()  # one step into the hold, then a sibling finishes: its rollout continues [.., 5, 6]
+    done = _req([1, 2], [5, 6, 7, 8, 9], rid="first")
+    done.finish_reason = "length"
+    drafter.observe_finished(done)
+    looked = 0
+    while not gov.probing:
+        looked += 1
+        step()
+    assert looked <= CHECK_EVERY, "the hold ended at the next look"
+    while gov.probing:
+        step(100, 250)  # the drafting block now verifies drafts and wins
+    assert gov.drafting and not gov.idle and running.draft_tokens == [7, 8, 9][: len(running.draft_tokens)]
+
+
+def test_an_idle_look_leaves_real_verdicts_alone_and_a_draft_model_never_looks() -> None:
+    """Wrong drafts are drafts: after a probe that verified and lost, the hold is not cut short
+    by the look (the drafter always has drafts), and a draft model is not asked between steps."""
+    from speculative.draft_model import DraftModelDrafter
+    from speculative.governor import SpeedGovernor
+
+    gov = SpeedGovernor(probe=2, hold_on=6, first_off=8, blocks=True)
+    for _ in range(2):
+        gov.observe(1.0, 100)
+    for _ in range(2):
+        gov.observe(1.0, 40, verified=True)
+    assert not gov.drafting and not gov.idle and gov._hold == 16, "hopeless: a doubled hold"
+    assert not gov.check_due(), "no look during a real hold"
+    assert DraftModelDrafter.has_draft(object.__new__(DraftModelDrafter), [_req([1], [2])]) is False

@@ -206,6 +206,9 @@ class _Scripted:
     def restart(self) -> None:
         pass
 
+    def check_due(self) -> bool:
+        return False  # the pattern alone decides
+
 
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 def test_plain_steps_overlap_between_drafting_steps(llama: TinyModel, drafter: str) -> None:
