@@ -19,7 +19,7 @@ from rollout.request import Req
 from speculative.governor import SpeedGovernor
 
 PAUSE_STEPS = 16  # steps a request waits before drafting again after its length fell to 0
-CHECK_REQUESTS = 4  # running requests an idle governor's look for drafts asks about (governor.py)
+LOOK_REQUESTS = 4  # running requests a plain hold's look for drafts asks about (governor.py)
 
 
 class Drafter(ABC):
@@ -44,8 +44,8 @@ class Drafter(ABC):
         for req in running:
             req.draft_tokens = []
         if self.governor is not None and not self.governor.drafting:
-            if self.governor.check_due() and self.has_draft(running):
-                self.governor.drafts_appeared()
+            if self.governor.check_due():
+                self.governor.looked(*self.look(running), len(running))
             return  # plain decoding is faster right now (governor.py)
         self.begin_step(running)
         wanted: list[tuple[Req, int]] = []
@@ -65,18 +65,15 @@ class Drafter(ABC):
         for (req, k), drafts in zip(wanted, self.propose_batch(wanted)):
             req.draft_tokens = drafts[:k]
 
-    def has_draft(self, running: list[Req]) -> bool:
-        """Would any of a few running requests (CHECK_REQUESTS, in turn) get a draft on the
-        tokens the host knows? An idle governor's look (governor.py); a drafter whose
-        proposals cost device work says False (it is not asked between steps)."""
+    def look(self, running: list[Req]) -> tuple[int, int]:
+        """(how many would get a draft, how many were asked) of the next LOOK_REQUESTS running
+        requests in turn, on the tokens the host knows: a plain hold's look (governor.py). A
+        drafter whose proposals cost device work looks at none (it is not asked between steps)."""
         decoding = [r for r in running if r.output_ids and r.spec_pause <= 0]
-        for i in range(min(CHECK_REQUESTS, len(decoding))):
-            req = decoding[(self._look_at + i) % len(decoding)]
-            if self.propose(req, 1):
-                self._look_at += i + 1
-                return True
-        self._look_at += CHECK_REQUESTS
-        return False
+        n = min(LOOK_REQUESTS, len(decoding))
+        found = sum(bool(self.propose(decoding[(self._look_at + i) % len(decoding)], 1)) for i in range(n))
+        self._look_at += n
+        return found, n
 
     def begin_step(self, running: list[Req]) -> None:
         """Before the step's proposals (a drafter that looks across requests indexes them here)."""
@@ -90,11 +87,12 @@ class Drafter(ABC):
     def propose(self, req: Req, k: int) -> list[int]:
         """Up to k tokens that may follow `req.all_ids` (empty: no guess)."""
 
-    def observe_speed(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
-        """One engine step's wall time and emitted tokens, whether it had no prefill work
-        and whether it verified drafts (for the governor)."""
+    def observe_speed(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None,
+                      share: float | None = None) -> None:
+        """One engine step's wall time and emitted tokens, whether it had no prefill work,
+        whether it verified drafts and the share of its requests that had them (for the governor)."""
         if self.governor is not None:
-            self.governor.observe(seconds, tokens, decode_only, verified)
+            self.governor.observe(seconds, tokens, decode_only, verified, share)
 
     def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
         if accepted == drafted:

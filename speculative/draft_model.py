@@ -79,9 +79,9 @@ class DraftModelDrafter(Drafter):
     def propose(self, req: Req, k: int) -> list[int]:
         return self.propose_batch([(req, k)])[0]
 
-    def has_draft(self, running: list[Req]) -> bool:
-        """A draft model always drafts once its weights are current: the look would be a forward."""
-        return False
+    def look(self, running: list[Req]) -> tuple[int, int]:
+        """None looked at: a look would be a draft-model forward between steps."""
+        return 0, 0
 
     # ---- drafting ---------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Req, int]]) -> list[list[int]]:

@@ -30,14 +30,17 @@ H200 runs at 0.44) holds plain decoding twice as long, and its next hold grows 4
 
 A probe whose drafting block verified nothing at all (blocks only: no request had a draft)
 says nothing about drafts, only that there were none; plain decoding then holds FIRST_OFF
-steps and the hold does not grow (an "idle" verdict). Drafts may appear at any step: a
-prompt's first samples finish and their rollouts enter the history the others draft from.
-So during an idle hold the drafter is asked every CHECK_EVERY steps whether a few running
-requests have a draft on the tokens the host knows (`check_due`, Drafter.propose_all); if
-one has, the probe starts at once (`drafts_appeared`). Holds after real losses are not cut
-short (wrong drafts are drafts too). Before this, a run in which drafts appeared late sat in
-a doubled hold: on the H200, batch 16 and 64 with every later draft right never verified
-one in 257 steps (BENCHMARKS.md, speculative decoding, session 13).
+steps and the hold does not grow (an "idle" verdict). And a verdict holds only for the mix it
+measured: drafts may spread at any step (a prompt's first samples finish, and their rollouts
+enter the history its other samples draft from). So during every plain hold the drafter looks,
+every CHECK_EVERY steps, at a few running requests in turn (Drafter.look: would each get a
+draft on the tokens the host knows?); once the looks have covered LOOK_WINDOW requests (or all
+that run), drafts found for clearly more of them than the probe's drafting steps had (twice
+that share, and a quarter of the requests more: 4 of 16 after an idle verdict) start a probe
+at once (`looked`). Wrong drafts everywhere (the share the probe lost with) never re-probe
+early, nor does one request of 64 whose context happens to repeat. Before this, a run whose drafts appeared late sat
+out a doubled hold: on the H200, batch 16 and 64 with every later draft right verified none in
+257 steps (BENCHMARKS.md, speculative decoding, session 13).
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ MAX_OFF = 512
 EARLY_STEPS = 2  # steps of each mode after which a clearly losing probe ends
 LOSING = 0.75  # ... clearly: at under this fraction of plain decoding's rate
 HOPELESS = 0.5  # a verdict at under this fraction holds plain decoding longer
-CHECK_EVERY = 4  # steps between the idle hold's looks for drafts
+CHECK_EVERY = 4  # steps between a plain hold's looks for drafts
+LOOK_WINDOW = 16  # requests the looks cover before their share is compared with the probe's
+MORE_SHARE = 0.25  # ... which it must pass by this much (and by 2x) to end the hold
 
 
 class SpeedGovernor:
@@ -65,15 +70,20 @@ class SpeedGovernor:
         self._tokens = {True: 0, False: 0}
         self._steps = {True: 0, False: 0}
         self._verified = 0  # drafting steps of this probe that verified drafts
+        self._share = 0.0  # summed over the probe's drafting steps: the share of requests that had drafts
+        self.probe_share = 0.0  # ... their mean, at the last verdict
+        self._looks = [0, 0]  # this hold's looks since the last comparison: requests with drafts, looked at
         self._hold = 0  # steps left in the current mode (not probing)
         self._off_length = first_off
         self.idle = False  # the plain hold follows a probe with nothing to draft (may end early)
 
-    def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
-        """One step: its wall time, the tokens it emitted, whether it had no prefill work and
-        whether it verified any draft (None: it did exactly when drafting was on). A step
-        with prefill work is not a measurement, and a drafting step that found nothing to
-        draft measures plain decoding (with the drafter's host cost in it)."""
+    def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None,
+                share: float | None = None) -> None:
+        """One step: its wall time, the tokens it emitted, whether it had no prefill work,
+        whether it verified any draft (None: it did exactly when drafting was on) and the
+        share of its requests that had drafts (None: all when it verified). A step with
+        prefill work is not a measurement, and a drafting step that found nothing to draft
+        measures plain decoding (with the drafter's host cost in it)."""
         if not self.probing:
             self._hold -= 1
             if self._hold <= 0:
@@ -82,7 +92,10 @@ class SpeedGovernor:
         if not decode_only:
             return
         mode = self.drafting if verified is None or self.blocks else verified
-        self._verified += mode and verified is not False
+        if mode:
+            drafted = verified is not False
+            self._verified += drafted
+            self._share += (1.0 if drafted else 0.0) if share is None else share
         self._seconds[mode] += seconds
         self._tokens[mode] += tokens
         self._steps[mode] += 1
@@ -113,12 +126,21 @@ class SpeedGovernor:
             self._tokens[False] += tokens
 
     def check_due(self) -> bool:
-        """Should the drafter look for drafts before this step (an idle hold, every CHECK_EVERY)?"""
-        return self.idle and not self.probing and self._hold % CHECK_EVERY == 0
+        """Should the drafter look for drafts before this step (a plain hold, every CHECK_EVERY)?"""
+        return not self.probing and not self.drafting and self._hold % CHECK_EVERY == 0
 
-    def drafts_appeared(self) -> None:
-        """The look found a draft: measure drafting now instead of sitting out the hold."""
-        self._start_probe()
+    def looked(self, found: int, looked: int, running: int) -> None:
+        """A look's result: `found` of `looked` requests would draft, of `running`. Once the
+        looks cover LOOK_WINDOW requests (or all of them), drafts for clearly more of them
+        than the last probe had (MORE_SHARE) start a probe now."""
+        self._looks[0] += found
+        self._looks[1] += looked
+        hits, seen = self._looks
+        if seen < min(LOOK_WINDOW, max(running, 1)):
+            return
+        self._looks = [0, 0]
+        if hits / seen >= max(2 * self.probe_share, self.probe_share + MORE_SHARE):
+            self._start_probe()
 
     def restart(self) -> None:
         """The policy changed (a weight update): the last verdict was about another model's
@@ -129,7 +151,7 @@ class SpeedGovernor:
         self._start_probe()
 
     def _start_probe(self) -> None:
-        self.probing, self.drafting, self.idle, self._verified = True, not self.blocks, False, 0
+        self.probing, self.drafting, self.idle, self._verified, self._share = True, not self.blocks, False, 0, 0.0
         for mode in (True, False):
             self._seconds[mode], self._tokens[mode], self._steps[mode] = 0.0, 0, 0
 
@@ -137,6 +159,8 @@ class SpeedGovernor:
         for mode in (True, False):
             self.rate[mode] = self._rate(mode)
         self.probing = False
+        self.probe_share = self._share / max(self._steps[True], 1)
+        self._looks = [0, 0]
         self.drafting = self.rate[True] >= self.rate[False]
         if self.drafting:
             self._hold, self._off_length = self.hold_on, self.first_off

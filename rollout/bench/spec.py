@@ -164,7 +164,8 @@ class WindowedGovernor:
         self.rate = {True: 0.0, False: 0.0}
         self._off_windows, self._off_length, self._wins = 0, 1, 0
 
-    def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None) -> None:
+    def observe(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None,
+                share: float | None = None) -> None:
         self._steps, self._seconds, self._tokens = self._steps + 1, self._seconds + seconds, self._tokens + tokens
         if self._steps < self.window:
             return
@@ -193,6 +194,10 @@ class WindowedGovernor:
 
     def restart(self) -> None:
         """(It never restarted on a weight update.)"""
+
+    def check_due(self) -> bool:
+        """(It never looked for drafts while off.)"""
+        return False
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,11 @@ class StepLoop:
             _trim_drafts_to_grammar(self.scheduler.running)
         batch = self.scheduler.schedule()
         decode_only = verified = False  # for the governor: a step without prefill work, and one verifying drafts
+        share = 0.0  # ... and the share of its requests that had drafts
         if self.drafter is not None and batch is not None:
             decode_only = batch.decode_only()
-            verified = decode_only and any(r.draft_tokens for r in batch.reqs)
+            share = sum(1 for r in batch.reqs if r.draft_tokens) / len(batch.reqs) if decode_only else 0.0
+            verified = share > 0
         forwarded = self.forward(batch, version) if batch is not None else None
         if self._overlapped:
             previous, self.inflight = self.inflight, None
@@ -119,7 +121,7 @@ class StepLoop:
             self.counters.steps += 1
             if self.drafter is not None:  # this step's tokens read back, or (overlapped) the previous step's
                 self.drafter.observe_speed(time.perf_counter() - start, self.counters.generated_tokens - generated,
-                                           decode_only, verified)
+                                           decode_only, verified, share)
         elif self.scheduler.waiting:
             self._wait_for_grammars()
         return finished

@@ -303,23 +303,39 @@ def test_a_probe_with_nothing_to_draft_holds_briefly_and_drafts_appearing_end_th
     while not gov.probing:
         looked += 1
         step()
-    assert looked <= CHECK_EVERY, "the hold ended at the next look"
+    assert looked <= CHECK_EVERY, "the hold ended at the next look (one request: the window is it)"
     while gov.probing:
         step(100, 250)  # the drafting block now verifies drafts and wins
     assert gov.drafting and not gov.idle and running.draft_tokens == [7, 8, 9][: len(running.draft_tokens)]
 
 
-def test_an_idle_look_leaves_real_verdicts_alone_and_a_draft_model_never_looks() -> None:
-    """Wrong drafts are drafts: after a probe that verified and lost, the hold is not cut short
-    by the look (the drafter always has drafts), and a draft model is not asked between steps."""
+def test_looks_during_a_hold_reprobe_only_when_drafts_spread() -> None:
+    """A verdict holds for the mix it measured. Wrong drafts everywhere (the share the probe
+    lost with) never end a hold early; a probe that lost with one request of 64 drafting ends
+    its hold once the looks find drafts for half of 16 requests, not for one; a draft model
+    looks at nothing (a look would be a forward)."""
     from speculative.draft_model import DraftModelDrafter
-    from speculative.governor import SpeedGovernor
+    from speculative.governor import LOOK_WINDOW, SpeedGovernor
 
-    gov = SpeedGovernor(probe=2, hold_on=6, first_off=8, blocks=True)
-    for _ in range(2):
-        gov.observe(1.0, 100)
-    for _ in range(2):
-        gov.observe(1.0, 40, verified=True)
-    assert not gov.drafting and not gov.idle and gov._hold == 16, "hopeless: a doubled hold"
-    assert not gov.check_due(), "no look during a real hold"
-    assert DraftModelDrafter.has_draft(object.__new__(DraftModelDrafter), [_req([1], [2])]) is False
+    def lost(share: float) -> SpeedGovernor:
+        gov = SpeedGovernor(probe=2, hold_on=6, first_off=8, max_off=512, blocks=True)
+        for _ in range(2):
+            gov.observe(1.0, 100)
+        for _ in range(2):
+            gov.observe(1.0, 40, verified=True, share=share)
+        assert not gov.probing and not gov.drafting and not gov.idle and gov.probe_share == share
+        return gov
+
+    poor = lost(1.0)
+    for _ in range(LOOK_WINDOW):
+        poor.looked(4, 4, 64)  # every request has (wrong) drafts, as in the probe
+    assert not poor.probing, "the same share the probe lost with: the hold stands"
+    one = lost(1 / 64)
+    for found in (1, 0, 0, 0):  # one request in 16 repeats its context: no news
+        one.looked(found, 4, 64)
+    assert not one.probing
+    for found in (4, 4, 0, 0):  # half of the next 16 would draft: drafts spread
+        one.looked(found, 4, 64)
+    assert one.probing and not one.drafting, "a probe at once (plain block first)"
+    assert not one.check_due(), "no looks while probing"
+    assert DraftModelDrafter.look(object.__new__(DraftModelDrafter), [_req([1], [2])]) == (0, 0)

@@ -195,7 +195,7 @@ class _Scripted:
     def __init__(self) -> None:
         self.steps, self.drains, self.drained_tokens, self.drafting = 0, 0, 0, True
 
-    def observe(self, seconds, tokens, decode_only=True, verified=None) -> None:
+    def observe(self, seconds, tokens, decode_only=True, verified=None, share=None) -> None:
         self.steps += 1
         self.drafting = self.steps % 5 < 3
 
