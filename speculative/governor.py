@@ -26,7 +26,8 @@ drafting at under LOSING of plain's rate is switched off without the rest of the
 poor drafting step costs a verify step's price (1.2-2.3x a decode step on an H200, several
 times one on a CPU: BENCHMARKS.md), and a poor case now pays 2 of them a probe, not 4. One
 that is hopeless (under HOPELESS of plain's rate: a batch-64 verify of 4 wrong drafts on the
-H200 runs at 0.44) holds plain decoding twice as long, and its next hold grows 4x, not 2x.
+H200 runs at 0.44) ends after one drafting step once plain decoding has its EARLY_STEPS, holds
+plain decoding twice as long, and its next hold grows 4x, not 2x.
 
 A probe whose drafting block verified nothing at all (blocks only: no request had a draft)
 says nothing about drafts, only that there were none; plain decoding then holds FIRST_OFF
@@ -109,10 +110,12 @@ class SpeedGovernor:
             self.drafting = not mode
 
     def _losing(self) -> bool:
-        """Both modes timed for EARLY_STEPS, and drafting far behind."""
-        if not self.early_stop or min(self._steps.values()) < min(EARLY_STEPS, self.probe):
+        """Both modes timed for EARLY_STEPS, and drafting far behind; or plain decoding timed
+        for EARLY_STEPS and one drafting step hopeless."""
+        if not self.early_stop or self._steps[False] < min(EARLY_STEPS, self.probe) or not self._steps[True]:
             return False
-        return self._rate(True) < LOSING * self._rate(False)
+        ratio = self._rate(True) / max(self._rate(False), 1e-30)
+        return ratio < HOPELESS or (self._steps[True] >= min(EARLY_STEPS, self.probe) and ratio < LOSING)
 
     def _rate(self, mode: bool) -> float:
         """Emitted tokens/s of a mode over this probe so far."""

@@ -326,6 +326,17 @@ def test_looks_during_a_hold_reprobe_only_when_drafts_spread() -> None:
         assert not gov.probing and not gov.drafting and not gov.idle and gov.probe_share == share
         return gov
 
+    quick = SpeedGovernor(probe=4, hold_on=6, first_off=8, blocks=True)
+    for _ in range(4):
+        quick.observe(1.0, 100)
+    quick.observe(1.0, 60, verified=True)
+    assert quick.probing and quick.drafting, "one drafting step at 60% is not hopeless: the probe runs on"
+    quick.restart()
+    for _ in range(4):
+        quick.observe(1.0, 100)
+    quick.observe(1.0, 44, verified=True)  # a batch-64 verify of 4 wrong drafts on the H200
+    assert not quick.probing and not quick.drafting and quick._hold == 16, "hopeless after one step: off, held 2x"
+
     poor = lost(1.0)
     for _ in range(LOOK_WINDOW):
         poor.looked(4, 4, 64)  # every request has (wrong) drafts, as in the probe
