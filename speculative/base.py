@@ -50,11 +50,13 @@ class Drafter(ABC):
         self.begin_step(running)
         wanted: list[tuple[Req, int]] = []
         for req in running:
-            if not req.output_ids or req.num_inflight or req.num_computed_tokens != req.seq_len - 1:
-                continue  # prefilling, or its last token is not known on the host
-            if req.spec_pause > 0:
+            if not req.output_ids:
+                continue  # prefilling
+            if req.spec_pause > 0:  # counts down in every drafting step, its token in flight or not
                 req.spec_pause -= 1
                 continue
+            if req.num_inflight or req.num_computed_tokens != req.seq_len - 1:
+                continue  # its last token is not known on the host (in flight, or re-prefilling)
             if req.spec_k < 0:
                 req.spec_k = self.max_tokens
             # accepting every draft and the token after them must fit the request's limits
@@ -64,6 +66,13 @@ class Drafter(ABC):
                 wanted.append((req, k))
         for (req, k), drafts in zip(wanted, self.propose_batch(wanted)):
             req.draft_tokens = drafts[:k]
+
+    def nothing_to_draft(self, running: list[Req]) -> bool:
+        """Would no decoding request get a draft on the tokens the host knows (the last one
+        still in flight)? Then a drafting step need not wait for it (rollout/core/step.py):
+        it has nothing to draft either way, most likely, and overlaps. Stops at the first
+        request with a draft; a drafter whose proposals cost device work says False."""
+        return not any(self.propose(r, 1) for r in running if r.output_ids and r.spec_pause <= 0)
 
     def look(self, running: list[Req]) -> tuple[int, int]:
         """(how many would get a draft, how many were asked) of the next LOOK_REQUESTS running

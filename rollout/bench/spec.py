@@ -37,13 +37,19 @@ H200_STEP_MS: dict[int, tuple[float, tuple[float, ...]]] = {
 H200_DECODE_NO_OVERLAP_MS: dict[int, float] = {1: 4.73, 64: 10.62}
 
 
-def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: int) -> float:
+def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: int, overlapped: int = 0,
+                         waited: int = 0) -> float:
     """H200 batch-1 decode speedup from a step trace: `verifies` holds the number of drafts
-    each verify step checked, `plain_steps` the steps that drafted nothing (overlap off),
-    `decode_steps` the steps plain decoding (overlap on) takes for the same tokens. At batch
-    1 every step is one request's, so this is the table's cost of each step as it ran."""
+    each verify step checked, `plain_steps` the steps that drafted nothing, `overlapped` of
+    those the ones that ran overlapped (rollout/core/step.py; the rest without overlap) and
+    `waited` of those the ones the next step waited for (a drain before drafting, or the
+    sample's end): they cost a step without overlap too. `decode_steps` is the steps plain
+    decoding (overlap on) takes for the same tokens. At batch 1 every step is one request's,
+    so this is the table's cost of each step as it ran."""
     decode, verify = H200_STEP_MS[1]
-    cost = sum(verify[min(k, len(verify)) - 1] for k in verifies) + plain_steps * H200_DECODE_NO_OVERLAP_MS[1]
+    slow = plain_steps - overlapped + min(waited, overlapped)
+    cost = (sum(verify[min(k, len(verify)) - 1] for k in verifies) + slow * H200_DECODE_NO_OVERLAP_MS[1]
+            + (plain_steps - slow) * decode)
     return decode_steps * decode / cost if cost else 1.0
 
 

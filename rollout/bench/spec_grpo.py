@@ -114,7 +114,9 @@ def grpo_epochs(args) -> None:
               f"{len(t.verifies)} verify steps ({a:.2f} accepted each, drafts {sum(t.verifies)}, accepted {t.accepted}) "
               f"+ {t.plain_steps} steps without drafts = {len(t.verifies) + t.plain_steps} steps against {t.tokens}: "
               f"{t.tokens / max(len(t.verifies) + t.plain_steps, 1):.2f} tokens a step; H200 batch-1 decode speedup from "
-              f"the step trace: {batch1_trace_speedup(list(t.verifies), t.plain_steps, t.tokens):.2f}x")
+              f"the step trace: {batch1_trace_speedup(list(t.verifies), t.plain_steps, t.tokens):.2f}x without "
+              f"overlap in them; {t.overlapped} of them overlapped, {t.drains} drains: "
+              f"{batch1_trace_speedup(list(t.verifies), t.plain_steps, t.tokens, t.overlapped, t.drains + t.samples):.2f}x")
     print("\nper epoch (its steps summed):")
     for epoch in sorted({r.epoch for r in rows}):
         mine = [r for r in rows if r.epoch == epoch]
@@ -140,6 +142,8 @@ class Batch1Trace:
     verifies: tuple[int, ...]  # drafts checked by each verify step
     accepted: int
     plain_steps: int  # steps that drafted nothing
+    overlapped: int = 0  # ... of those, steps that ran overlapped (overlap forced on, as on CUDA)
+    drains: int = 0  # steps that waited for an overlapped step before drafting
 
 
 def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, samples: int, k: int) -> Batch1Trace:
@@ -160,6 +164,8 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
         inner(req, drafted, accepted)
 
     trial.observe_step = record
+    overlap_plain, engine.loop.overlap_plain = engine.loop.overlap_plain, True  # as CUDA runs it
+    c0 = dataclasses.replace(engine.counters)
     tokens = accepted = 0
     problems = task.problems(step, 8)
     for i in range(samples):
@@ -171,5 +177,8 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
         tokens += len(out.token_ids) - 1
         accepted += engine.counters.accepted_tokens - c0
     engine.drafter = engine.loop.drafter = drafter
+    engine.loop.overlap_plain = overlap_plain
+    c = engine.counters
     plain = tokens - accepted - len(verifies)  # each verify emits its accepted drafts + 1
-    return Batch1Trace(epoch, k, samples, tokens, tuple(verifies), accepted, plain)
+    return Batch1Trace(epoch, k, samples, tokens, tuple(verifies), accepted, plain,
+                       c.spec_overlapped_steps - c0.spec_overlapped_steps, c.spec_drains - c0.spec_drains)

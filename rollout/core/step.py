@@ -89,14 +89,24 @@ class StepLoop:
         if self.drafter is not None:
             if not self.drafter.drafting:
                 self._overlapped = self.overlap_plain
-            elif self.inflight is not None:  # drafts continue the tokens in flight: read them back first
+            elif self.inflight is not None and not (self.overlap_plain and
+                                                    self.drafter.nothing_to_draft(self.scheduler.running)):
+                # drafts continue the tokens in flight: read them back first
                 drained, before = time.perf_counter(), self.counters.generated_tokens
                 finished.extend(self.drain())
                 self.drafter.observe_drain(time.perf_counter() - drained, self.counters.generated_tokens - before)
+                self.counters.spec_drains += 1
         start, generated = time.perf_counter(), self.counters.generated_tokens
         if self.drafter is not None:
-            self.drafter.propose_all(self.scheduler.running)
+            self.drafter.propose_all(self.scheduler.running)  # a request with a token in flight gets none
             _trim_drafts_to_grammar(self.scheduler.running)
+            if self.overlap_plain and not self._overlapped and not any(r.draft_tokens for r in self.scheduler.running):
+                # Nothing to draft: the step overlaps as a plain one does (the next step's
+                # drafts, if any, first read its tokens back). At batch 1 half of a second GRPO
+                # epoch's steps have no draft; without overlap each cost 4.73 ms against 4.34
+                # on the H200 (BENCHMARKS.md, speculative decoding, session 13).
+                self._overlapped = True
+                self.counters.spec_overlapped_steps += 1
         batch = self.scheduler.schedule()
         decode_only = verified = False  # for the governor: a step without prefill work, and one verifying drafts
         share = 0.0  # ... and the share of its requests that had drafts

@@ -36,6 +36,12 @@ def test_batch1_trace_costs_each_step_as_it_ran() -> None:
     assert batch1_trace_speedup([4, 2], 3, 10) == pytest.approx(want, rel=1e-9)
     assert batch1_trace_speedup([9], 0, 10) == pytest.approx(10 * 4.34 / 5.62), "past the table: its widest verify"
     assert batch1_trace_speedup([], 10, 10) < 1.0, "nothing drafted: overlap off costs"
+    # of the 3 draft-less steps, 2 overlapped and the step after one of those waited for it
+    want = 10 * 4.34 / (5.44 + 5.38 + 2 * 4.73 + 4.34)
+    assert batch1_trace_speedup([4, 2], 3, 10, overlapped=2, waited=1) == pytest.approx(want, rel=1e-9)
+    assert batch1_trace_speedup([], 10, 10, overlapped=10, waited=0) == pytest.approx(1.0), "all overlapped: plain"
+    assert batch1_trace_speedup([], 10, 10, overlapped=2, waited=5) == batch1_trace_speedup([], 10, 10), \
+        "waits past the overlapped steps cost nothing more"
 
 
 def test_host_cost_workload_drafts_and_accepts() -> None:
