@@ -7,7 +7,10 @@ One engine (a benchmark shape, random weights, greedy, ignore_eos) at each batch
   clearly losing probe early; "before" is the governor of the morning of 2026-12-02: every
   step without overlap, probes in alternation, each probe to its end;
 - good: the suffix drafter with a warm history of the same greedy rollout (every draft
-  right), governor on ("now").
+  right), governor on ("now");
+- sparse: right drafts at 2 positions in 8 and nothing to draft at the rest, governor off,
+  with the steps that have nothing to draft overlapped ("now", rollout/core/step.py) and not
+  ("before": `StepLoop.overlap_draftless = False`).
 
 The random weights are rewritten into a successor model first (`successor_model`): every
 layer's o_proj and down_proj are zero, so the residual stream is the token's embedding, and
@@ -68,6 +71,30 @@ def successor_model(engine, seed: int = 0) -> torch.Tensor:
     return perm
 
 
+class SparseRightDrafter(Drafter):
+    """Right drafts (the successor walk) of k tokens at one position in `every`, none at the
+    others: most steps have nothing to draft, as half of a second GRPO epoch's batch-1 steps
+    had (BENCHMARKS.md). Two positions in a row, as a real match lasts (the look before a
+    drain sees the first)."""
+
+    def __init__(self, perm: torch.Tensor, k: int, every: int) -> None:
+        super().__init__(k, 1 << 30)
+        self.perm, self.every = perm.tolist(), every
+        self.governor = None  # always drafting: the rows compare the steps' mechanics
+
+    def propose(self, req: Req, k: int) -> list[int]:
+        if req.known_len % self.every >= 2:
+            return []
+        out, t = [], req.all_ids[-1]
+        for _ in range(k):
+            t = self.perm[t]
+            out.append(t)
+        return out
+
+    def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
+        pass  # full length every time
+
+
 def run(args) -> None:
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import SHAPES, write_shape_dir
@@ -80,7 +107,7 @@ def run(args) -> None:
     engine = Engine(EngineConfig(model=path, dtype="bfloat16" if cuda else "float32", device=args.device,
                                  load_format="dummy", page_size=16, max_running_requests=max(args.batches),
                                  speculative="suffix", gpu_memory_fraction=0.5))
-    successor_model(engine)
+    perm = successor_model(engine)
     loop = engine.loop
     overlap_plain = loop.overlap_plain
     g = torch.Generator().manual_seed(0)
@@ -115,6 +142,8 @@ def run(args) -> None:
           f"prompts of {args.context} random tokens, k = {engine.config.num_speculative_tokens}")
     print(f"{'batch':>5} | {'plain':>6} | {'poor, now':>9} | {'poor, before':>12} | {'good, now':>9} | "
           f"{'poor now / plain':>16} | {'good speedup':>12} | good: steps, verifies/request, accepted/drafted")
+    sparse: dict[int, tuple[float, list]] = {}
+    overlapped_before = [engine.counters.spec_overlapped_steps]
     for batch in args.batches:
         prompts = torch.randint(100, vocab - 100, (batch, args.context), generator=g).tolist()
         plain = timed(prompts, None)
@@ -129,3 +158,16 @@ def run(args) -> None:
         print(f"{batch:>5} | {plain:>6.2f} | {poor_now:>9.2f} | {poor_before:>12.2f} | {good_now:>9.2f} | "
               f"{poor_now / plain:>15.2f}x | {plain / good_now:>11.2f}x | {last[0]}, {last[1]:.1f}, "
               f"{last[3]}/{last[2]}", flush=True)
+        sparse[batch] = plain, []
+        for on in (True, False):  # a drafting step with nothing to draft overlaps (now) or not (before)
+            loop.overlap_draftless = on
+            ms = timed(prompts, SparseRightDrafter(perm, engine.config.num_speculative_tokens, 8))
+            sparse[batch][1].append((ms, last[0], engine.counters.spec_overlapped_steps - overlapped_before[0]))
+            overlapped_before[0] = engine.counters.spec_overlapped_steps
+        loop.overlap_draftless = True
+    print(f"\nsparse right drafts (k tokens at 2 positions in 8, governor off), ms per token-step: steps with "
+          f"nothing to draft overlapped (now) / not (before)")
+    print(f"{'batch':>5} | {'plain':>6} | {'now':>6} | {'before':>6} | {'now speedup':>11} | {'before':>6} | steps now / before")
+    for batch, (plain, ((now, s_now, _), (before, s_before, _))) in sparse.items():
+        print(f"{batch:>5} | {plain:>6.2f} | {now:>6.2f} | {before:>6.2f} | {plain / now:>10.2f}x | "
+              f"{plain / before:>5.2f}x | {s_now} / {s_before}", flush=True)

@@ -77,6 +77,8 @@ class StepLoop:
         self.drafter = drafter  # speculative decoding (then overlap is off: drafts need the last tokens)
         # ... except in steps the governor keeps plain: those overlap as without speculation
         self.overlap_plain = overlap_plain
+        # ... and drafting steps with nothing to draft (benchmarks set False for the "before")
+        self.overlap_draftless = True
         self._overlapped = overlap  # whether the step being run overlaps
         self.inflight: Launched | None = None  # overlap scheduling: the step not yet read back
         self.structured = structured  # grammar masks for constrained requests
@@ -89,7 +91,7 @@ class StepLoop:
         if self.drafter is not None:
             if not self.drafter.drafting:
                 self._overlapped = self.overlap_plain
-            elif self.inflight is not None and not (self.overlap_plain and
+            elif self.inflight is not None and not (self.overlap_plain and self.overlap_draftless and
                                                     self.drafter.nothing_to_draft(self.scheduler.running)):
                 # drafts continue the tokens in flight: read them back first
                 drained, before = time.perf_counter(), self.counters.generated_tokens
@@ -100,7 +102,8 @@ class StepLoop:
         if self.drafter is not None:
             self.drafter.propose_all(self.scheduler.running)  # a request with a token in flight gets none
             _trim_drafts_to_grammar(self.scheduler.running)
-            if self.overlap_plain and not self._overlapped and not any(r.draft_tokens for r in self.scheduler.running):
+            if (self.overlap_plain and self.overlap_draftless and not self._overlapped
+                    and not any(r.draft_tokens for r in self.scheduler.running)):
                 # Nothing to draft: the step overlaps as a plain one does (the next step's
                 # drafts, if any, first read its tokens back). At batch 1 half of a second GRPO
                 # epoch's steps have no draft; without overlap each cost 4.73 ms against 4.34
