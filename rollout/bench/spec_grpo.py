@@ -165,7 +165,7 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
 
     trial.observe_step = record
     overlap_plain, engine.loop.overlap_plain = engine.loop.overlap_plain, True  # as CUDA runs it
-    c0 = dataclasses.replace(engine.counters)
+    counted = dataclasses.replace(engine.counters)
     tokens = accepted = 0
     problems = task.problems(step, 8)
     for i in range(samples):
@@ -181,4 +181,4 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
     c = engine.counters
     plain = tokens - accepted - len(verifies)  # each verify emits its accepted drafts + 1
     return Batch1Trace(epoch, k, samples, tokens, tuple(verifies), accepted, plain,
-                       c.spec_overlapped_steps - c0.spec_overlapped_steps, c.spec_drains - c0.spec_drains)
+                       c.spec_overlapped_steps - counted.spec_overlapped_steps, c.spec_drains - counted.spec_drains)
