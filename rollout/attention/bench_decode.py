@@ -16,22 +16,15 @@ flat amax over a buffer of the same bytes (what a plain read reaches in this run
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 
-from rollout.bench.kernel_device import kernel_bench_device
+from rollout.bench.kernel_device import kernel_bench_device, kernel_ms
 
 
 def _ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=10, rep=80))
-    start = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - start)
+    return kernel_ms(fn, device, warmup=10, rep=80)
 
 
 def engine_layout(batch: int, prompt: int, context: int, page_size: int, device: torch.device,
@@ -136,7 +129,7 @@ def main() -> None:
             rows.append((batch, context, "floor: flat amax, same bytes", floor_ms, kv_bytes / floor_ms / 1e9, None, "-"))
             del k_buf, v_buf
     print(f"\nshare {args.share}: TB/s counts what each request reads, 'pool TB/s' the distinct pages once")
-    print(f"\n| batch | context | variant | us | TB/s | pool TB/s | max diff vs fp32 |\n|---:|---:|---|---:|---:|---:|---:|")
+    print("\n| batch | context | variant | us | TB/s | pool TB/s | max diff vs fp32 |\n|---:|---:|---|---:|---:|---:|---:|")
     for b, c, name, ms, tbs, err, note in rows:
         if ms is None:
             print(f"| {b} | {c} | {name} | - | - | - | {note} |")

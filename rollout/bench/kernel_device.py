@@ -18,3 +18,16 @@ def kernel_bench_device(name: str, shape: str | None) -> tuple[torch.device, str
         raise SystemExit("needs CUDA (or --device cpu for a smoke run)")
     gpu = device.type == "cuda"
     return device, shape or ("llama8b" if gpu else "tiny"), torch.bfloat16 if gpu else torch.float16
+
+
+def kernel_ms(fn, device: torch.device, warmup: int = 5, rep: int = 60) -> float:
+    """Median ms of fn: triton's do_bench on CUDA; one timed call on the CPU (the smoke run)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep))
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)

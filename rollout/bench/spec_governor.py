@@ -165,8 +165,8 @@ def run(args) -> None:
             sparse[batch][1].append((ms, last[0], engine.counters.spec_overlapped_steps - overlapped_before[0]))
             overlapped_before[0] = engine.counters.spec_overlapped_steps
         loop.overlap_draftless = True
-    print(f"\nsparse right drafts (k tokens at 2 positions in 8, governor off), ms per token-step: steps with "
-          f"nothing to draft overlapped (now) / not (before)")
+    print("\nsparse right drafts (k tokens at 2 positions in 8, governor off), ms per token-step: steps with "
+          "nothing to draft overlapped (now) / not (before)")
     print(f"{'batch':>5} | {'plain':>6} | {'now':>6} | {'before':>6} | {'now speedup':>11} | {'before':>6} | steps now / before")
     for batch, (plain, ((now, s_now, _), (before, s_before, _))) in sparse.items():
         print(f"{batch:>5} | {plain:>6.2f} | {now:>6.2f} | {before:>6.2f} | {plain / now:>10.2f}x | "

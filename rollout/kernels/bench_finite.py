@@ -15,22 +15,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from collections.abc import Callable
 
 import torch
 
-from rollout.bench.kernel_device import kernel_bench_device
+from rollout.bench.kernel_device import kernel_bench_device, kernel_ms
 
 
 def _ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=5, rep=60))
-    start = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - start)
+    return kernel_ms(fn, device)
 
 
 def model_tensors(shape: str, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
