@@ -39,9 +39,9 @@ draft on the tokens the host knows?); once the looks have covered LOOK_WINDOW re
 that run), drafts found for clearly more of them than the probe's drafting steps had (twice
 that share, and a quarter of the requests more: 4 of 16 after an idle verdict) start a probe
 at once (`looked`). Wrong drafts everywhere (the share the probe lost with) never re-probe
-early, nor does one request of 64 whose context happens to repeat. Before this, a run whose drafts appeared late sat
-out a doubled hold: on the H200, batch 16 and 64 with every later draft right verified none in
-257 steps (BENCHMARKS.md, speculative decoding, session 13).
+early, nor does one request of 64 whose context happens to repeat. Before this, a run whose
+drafts appeared late sat out a doubled hold: on the H200, batch 16 and 64 with every later
+draft right verified none in 257 steps (BENCHMARKS.md, speculative decoding, session 13).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ class SpeedGovernor:
         self._seconds = {True: 0.0, False: 0.0}
         self._tokens = {True: 0, False: 0}
         self._steps = {True: 0, False: 0}
-        self._verified = 0  # drafting steps of this probe that verified drafts
         self._share = 0.0  # summed over the probe's drafting steps: the share of requests that had drafts
         self.probe_share = 0.0  # ... their mean, at the last verdict
         self._looks = [0, 0]  # this hold's looks since the last comparison: requests with drafts, looked at
@@ -94,9 +93,7 @@ class SpeedGovernor:
             return
         mode = self.drafting if verified is None or self.blocks else verified
         if mode:
-            drafted = verified is not False
-            self._verified += drafted
-            self._share += (1.0 if drafted else 0.0) if share is None else share
+            self._share += (0.0 if verified is False else 1.0) if share is None else share
         self._seconds[mode] += seconds
         self._tokens[mode] += tokens
         self._steps[mode] += 1
@@ -154,7 +151,7 @@ class SpeedGovernor:
         self._start_probe()
 
     def _start_probe(self) -> None:
-        self.probing, self.drafting, self.idle, self._verified, self._share = True, not self.blocks, False, 0, 0.0
+        self.probing, self.drafting, self.idle, self._share = True, not self.blocks, False, 0.0
         for mode in (True, False):
             self._seconds[mode], self._tokens[mode], self._steps[mode] = 0.0, 0, 0
 
@@ -167,7 +164,7 @@ class SpeedGovernor:
         self.drafting = self.rate[True] >= self.rate[False]
         if self.drafting:
             self._hold, self._off_length = self.hold_on, self.first_off
-        elif self._verified == 0:  # nothing was drafted: no verdict on drafts, a short hold that may end early
+        elif self._share == 0:  # nothing was drafted: no verdict on drafts, a short hold that may end early
             self._hold, self.idle = self.first_off, True
         else:
             hopeless = self.early_stop and self.rate[True] < HOPELESS * self.rate[False]

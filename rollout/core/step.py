@@ -88,10 +88,11 @@ class StepLoop:
         overlap scheduling, those of the previous step)."""
         finished = self._finish_failed_grammars(version)
         self._overlapped = self.overlap
+        draftless_overlap = self.overlap_plain and self.overlap_draftless
         if self.drafter is not None:
             if not self.drafter.drafting:
                 self._overlapped = self.overlap_plain
-            elif self.inflight is not None and not (self.overlap_plain and self.overlap_draftless and
+            elif self.inflight is not None and not (draftless_overlap and
                                                     self.drafter.nothing_to_draft(self.scheduler.running)):
                 # drafts continue the tokens in flight: read them back first
                 drained, before = time.perf_counter(), self.counters.generated_tokens
@@ -102,8 +103,7 @@ class StepLoop:
         if self.drafter is not None:
             self.drafter.propose_all(self.scheduler.running)  # a request with a token in flight gets none
             _trim_drafts_to_grammar(self.scheduler.running)
-            if (self.overlap_plain and self.overlap_draftless and not self._overlapped
-                    and not any(r.draft_tokens for r in self.scheduler.running)):
+            if draftless_overlap and not self._overlapped and not any(r.draft_tokens for r in self.scheduler.running):
                 # Nothing to draft: the step overlaps as a plain one does (the next step's
                 # drafts, if any, first read its tokens back). At batch 1 half of a second GRPO
                 # epoch's steps have no draft; without overlap each cost 4.73 ms against 4.34
