@@ -68,11 +68,15 @@ class Drafter(ABC):
             req.draft_tokens = drafts[:k]
 
     def nothing_to_draft(self, running: list[Req]) -> bool:
-        """Would no decoding request get a draft on the tokens the host knows (the last one
-        still in flight)? Then a drafting step need not wait for it (rollout/core/step.py):
-        it has nothing to draft either way, most likely, and overlaps. Stops at the first
-        request with a draft; a drafter whose proposals cost device work says False."""
-        return not any(self.propose(r, 1) for r in running if r.output_ids and r.spec_pause <= 0)
+        """Can no decoding request get a draft this step, whatever its token still in flight
+        is? Then the step need not wait for that token (rollout/core/step.py): it overlaps,
+        losing no draft. Stops at the first request that may draft."""
+        return not any(self.may_draft_next(r) for r in running if r.output_ids and r.spec_pause <= 0)
+
+    def may_draft_next(self, req: Req) -> bool:
+        """Could `req` get a draft after one more token, whichever it is? True when the
+        drafter cannot tell (then a step always waits for the token in flight)."""
+        return True
 
     def look(self, running: list[Req]) -> tuple[int, int]:
         """(how many would get a draft, how many were asked) of the next LOOK_REQUESTS running

@@ -83,9 +83,6 @@ class DraftModelDrafter(Drafter):
         """None looked at: a look would be a draft-model forward between steps."""
         return 0, 0
 
-    def nothing_to_draft(self, running: list[Req]) -> bool:
-        """A draft model drafts for every decoding request (and asking would be a forward)."""
-        return False
 
     # ---- drafting ---------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Req, int]]) -> list[list[int]]:

@@ -68,6 +68,27 @@ class ContinuationIndex:
                 else:
                     del table[h]
 
+    def may_match_after(self, context: Sequence[int], min_n: int) -> bool:
+        """Could `context` plus one more token, whichever, have a suffix of length >= min_n
+        with counts? That needs a token b that followed the context's last min_n - 1 tokens,
+        and that (those tokens, b) was followed in turn: a look-up per such b."""
+        if min_n <= 1:
+            return bool(self._next)  # any token seen with a successor matches by itself
+        tail = list(context[len(context) - (min_n - 1) :])
+        if len(tail) < min_n - 1:
+            return False
+        levels = self.matches(tail, min_n - 1)
+        if not levels:
+            return False
+        table = self._next
+        for b in levels[-1]:  # the (min_n - 1)-gram's continuations
+            h = ((b + 1) * _MULT) & _MASK64
+            for t in reversed(tail):
+                h = ((h ^ (t + 1)) * _MULT) & _MASK64
+            if h in table:
+                return True
+        return False
+
     def matches(self, context: Sequence[int], min_n: int) -> list[Counts]:
         """Continuation counts after the context's suffixes of length >= min_n, longest first."""
         table, found, h = self._next, [], 0

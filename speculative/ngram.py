@@ -62,3 +62,6 @@ class NgramDrafter(Drafter):
 
     def propose(self, req: Req, k: int) -> list[int]:
         return walk(self.index_of(req), last_tokens(req, self.max_n), k, self.min_n, draft_spec(req, self.coupled))
+
+    def may_draft_next(self, req: Req) -> bool:
+        return self.index_of(req).may_match_after(last_tokens(req, self.min_n - 1), self.min_n)

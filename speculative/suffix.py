@@ -57,6 +57,11 @@ class SuffixDrafter(Drafter):
         group.sync(req)
         return walk(group.index, last_tokens(req, MAX_MATCH), k, MIN_MATCH, draft_spec(req, self.coupled))
 
+    def may_draft_next(self, req: Req) -> bool:
+        group = self._group_of(req)
+        group.sync(req)
+        return group.index.may_match_after(last_tokens(req, MIN_MATCH - 1), MIN_MATCH)
+
     def tracked_requests(self) -> int:
         """Requests whose tokens are counted as running samples (0 once nothing runs: a
         finished, aborted or retracted request leaves no counts behind)."""

@@ -350,3 +350,30 @@ def test_looks_during_a_hold_reprobe_only_when_drafts_spread() -> None:
     assert one.probing and not one.drafting, "a probe at once (plain block first)"
     assert not one.check_due(), "no looks while probing"
     assert DraftModelDrafter.look(object.__new__(DraftModelDrafter), [_req([1], [2])]) == (0, 0)
+
+
+def test_may_match_after_is_exactly_whether_some_next_token_matches() -> None:
+    """The look before a drain (Drafter.may_draft_next) must never say "no draft" where one
+    more token would give one: checked against every next token of a small vocabulary."""
+    import random
+
+    rng = random.Random(3)
+    for trial in range(200):
+        vocab, min_n = rng.randint(2, 6), rng.choice([1, 2, 3])
+        index = ContinuationIndex(4)
+        for _ in range(rng.randint(0, 3)):
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            index.add(seq, 0, len(seq))
+        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        want = any(index.matches(context + [b], min_n) for b in range(vocab))
+        assert index.may_match_after(context, min_n) == want, (trial, context, min_n)
+    drafter = NgramDrafter(max_tokens=4, context_len=1000)
+    req = _req([1, 2, 3, 1], [2])  # ... 1, 2 | next: 3 would repeat (2, 3) -> drafts "1"
+    assert drafter.may_draft_next(req)
+    assert not drafter.may_draft_next(_req([1, 2, 3], [4])), "4 never came before: no bigram can start with it"
+    suffix = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1 << 20)
+    done = _req([9], [5, 6, 7], rid="done")
+    done.finish_reason = "length"
+    suffix.observe_finished(done)
+    assert suffix.may_draft_next(_req([9], [5], rid="a")), "(5, 6) was followed by 7 in the history"
+    assert not suffix.may_draft_next(_req([9], [7], rid="b")), "7 ended the history's rollout"
