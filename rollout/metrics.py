@@ -23,8 +23,8 @@ class Counters:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
-    # ... steps while drafting that had nothing to draft and overlapped, and the read-backs a
-    # drafting step waited for (of a step in flight) before it drafted
+    # ... decode steps while drafting that had nothing to draft and overlapped, and the
+    # read-backs a drafting step waited for (of a step in flight) before it drafted
     spec_overlapped_steps: int = 0
     spec_drains: int = 0
     step_seconds: float = 0.0  # wall time inside step(): schedule, forward, sample, read back, bookkeeping

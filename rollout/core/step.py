@@ -100,6 +100,7 @@ class StepLoop:
                 self.drafter.observe_drain(time.perf_counter() - drained, self.counters.generated_tokens - before)
                 self.counters.spec_drains += 1
         start, generated = time.perf_counter(), self.counters.generated_tokens
+        draftless = False  # a drafting step with nothing to draft, overlapped
         if self.drafter is not None:
             self.drafter.propose_all(self.scheduler.running)  # a request with a token in flight gets none
             _trim_drafts_to_grammar(self.scheduler.running)
@@ -108,8 +109,7 @@ class StepLoop:
                 # drafts, if any, first read its tokens back). At batch 1 half of a second GRPO
                 # epoch's steps have no draft; without overlap each cost 4.73 ms against 4.34
                 # on the H200 (BENCHMARKS.md, speculative decoding, session 13).
-                self._overlapped = True
-                self.counters.spec_overlapped_steps += 1
+                self._overlapped = draftless = True
         batch = self.scheduler.schedule()
         decode_only = verified = False  # for the governor: a step without prefill work, and one verifying drafts
         share = 0.0  # ... and the share of its requests that had drafts
@@ -117,6 +117,7 @@ class StepLoop:
             decode_only = batch.decode_only()
             share = sum(1 for r in batch.reqs if r.draft_tokens) / len(batch.reqs) if decode_only else 0.0
             verified = share > 0
+            self.counters.spec_overlapped_steps += draftless and decode_only
         forwarded = self.forward(batch, version) if batch is not None else None
         if self._overlapped:
             previous, self.inflight = self.inflight, None
