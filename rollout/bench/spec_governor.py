@@ -74,8 +74,8 @@ def successor_model(engine, seed: int = 0) -> torch.Tensor:
 class SparseRightDrafter(Drafter):
     """Right drafts (the successor walk) of k tokens at one position in `every`, none at the
     others: most steps have nothing to draft, as half of a second GRPO epoch's batch-1 steps
-    had (BENCHMARKS.md). Two positions in a row, as a real match lasts (the look before a
-    drain sees the first)."""
+    had (BENCHMARKS.md). It knows a token ahead whether it will draft (`may_draft_next`), as
+    the n-gram and suffix drafters do."""
 
     def __init__(self, perm: torch.Tensor, k: int, every: int) -> None:
         super().__init__(k, 1 << 30)
@@ -90,6 +90,9 @@ class SparseRightDrafter(Drafter):
             t = self.perm[t]
             out.append(t)
         return out
+
+    def may_draft_next(self, req: Req) -> bool:
+        return (req.known_len + 1) % self.every < 2
 
     def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
         pass  # full length every time
