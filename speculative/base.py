@@ -71,7 +71,8 @@ class Drafter(ABC):
         """Can no decoding request get a draft this step, whatever its token still in flight
         is? Then the step need not wait for that token (rollout/core/step.py): it overlaps,
         losing no draft. Stops at the first request that may draft."""
-        return not any(self.may_draft_next(r) for r in running if r.output_ids and r.spec_pause <= 0)
+        return not any(self.may_draft_next(r) for r in running
+                       if (r.output_ids or r.num_inflight) and r.spec_pause <= 0)  # (its first token may be in flight)
 
     def may_draft_next(self, req: Req) -> bool:
         """Could `req` get a draft after one more token, whichever it is? True when the

@@ -377,3 +377,7 @@ def test_may_match_after_is_exactly_whether_some_next_token_matches() -> None:
     suffix.observe_finished(done)
     assert suffix.may_draft_next(_req([9], [5], rid="a")), "(5, 6) was followed by 7 in the history"
     assert not suffix.may_draft_next(_req([9], [7], rid="b")), "7 ended the history's rollout"
+    first = _req([1, 2, 1, 2, 1], [])  # prefilled, its first token in flight: (1, next) may repeat (1, 2)
+    first.num_inflight, first.num_computed_tokens = 1, 5
+    assert not drafter.nothing_to_draft([first]), "a request's first decode step can draft too"
+    assert drafter.nothing_to_draft([_req([1, 2, 3], [4])])

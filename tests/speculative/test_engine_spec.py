@@ -306,3 +306,32 @@ def test_drafting_steps_with_nothing_to_draft_overlap(llama: TinyModel) -> None:
                 assert verified[0] == verified[1], "overlapping lost no draft"
                 # two full rejections pause a request 16 steps; then it drafts again
                 assert len(verified[0]) == len(got) and min(verified[0].values()) >= 3, verified[0]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_draftless_overlap_loses_no_draft_of_the_real_drafters(llama: TinyModel, drafter: str) -> None:
+    """The n-gram and suffix drafters, overlap on, greedy on repetitive prompts: every draft
+    proposed (request, position, tokens) and every verification equal the run whose draft-less
+    steps do not overlap."""
+    prompts = _repetitive(llama.vocab_size, 5, seed=90)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    logs = []
+    for draftless_overlap in (True, False):
+        engine = Engine(EngineConfig(model=llama.path, page_size=4, overlap_schedule=True, speculative=drafter,
+                                     speculative_governor=False))
+        engine.loop.overlap_draftless = draftless_overlap
+        log: list[tuple] = []
+        d, propose_batch = engine.drafter, engine.drafter.propose_batch
+
+        def logged(wanted, propose_batch=propose_batch, log=log):
+            out = propose_batch(wanted)
+            log.extend((r.rid, r.known_len, tuple(x)) for (r, _), x in zip(wanted, out) if x)
+            return out
+
+        d.propose_batch = logged
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        logs.append((log, [o.token_ids for o in outs], engine.counters.verify_steps, engine.counters.accepted_tokens,
+                     engine.counters.spec_overlapped_steps))
+    (log_on, toks_on, v_on, a_on, ovl), (log_off, toks_off, v_off, a_off, _) = logs
+    assert toks_on == toks_off and v_on == v_off and a_on == a_off and log_on == log_off
+    assert ovl > 0 and v_on > 0, "overlapped steps ran, and drafts were verified"
