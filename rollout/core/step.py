@@ -106,9 +106,9 @@ class StepLoop:
             _trim_drafts_to_grammar(self.scheduler.running)
             if draftless_overlap and not self._overlapped and not any(r.draft_tokens for r in self.scheduler.running):
                 # Nothing to draft: the step overlaps as a plain one does (the next step's
-                # drafts, if any, first read its tokens back). At batch 1 half of a second GRPO
-                # epoch's steps have no draft; without overlap each cost 4.73 ms against 4.34
-                # on the H200 (BENCHMARKS.md, speculative decoding, session 13).
+                # drafts, if any, first read its tokens back). It pays where the next step
+                # cannot draft either (nothing_to_draft): on the H200 a batch-1 step costs
+                # 4.34 ms overlapped against 4.73 (BENCHMARKS.md, speculative decoding, session 13).
                 self._overlapped = draftless = True
         batch = self.scheduler.schedule()
         decode_only = verified = False  # for the governor: a step without prefill work, and one verifying drafts
