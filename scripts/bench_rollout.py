@@ -208,8 +208,12 @@ def main() -> None:
                             "(rollout.kernels.rope_epilogue) or the rotary's own launch"),
         ("--prefill-rows", "small prefills as decode rows replaying a decode graph (ModelRunner.extend_rows_kv: "
                            "the engine's budget) or the eager extend layout"),
+        ("--share-prefixes", "decode rows grouped by a shared prompt prefix, attended once a group "
+                             "(ModelRunner.share_prefixes, rollout/attention/prefix_kernel.py) or each row whole"),
     ):
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
+    parser.add_argument("--c-radix", nargs="+", default=["on", "off"], choices=["on", "off"],
+                        help="(c)'s runs: with the radix cache, and the engine without it (its peer)")
     parser.add_argument("--small-decode-rows", nargs="+", type=int, default=[None],
                         help="decode graphs of at most this many rows attend with the Triton kernel, larger ones "
                              "with FlashInfer (rollout.attention.SMALL_DECODE_ROWS; default: the engine's)")
@@ -272,7 +276,7 @@ def main() -> None:
                 elif w == "c":
                     prompts = rand_prompts(64, 1024, g)
                     params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
-                    for radix in (True, False):
+                    for radix in (r == "on" for r in args.c_radix):
                         eng = engine if radix else make_engine(False)
                         eng.flush_cache()
                         steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
@@ -315,13 +319,13 @@ def main() -> None:
             runs += [(a, o == "on", False) for a in args.attention for o in args.overlap]
         else:
             runs += [("auto", o == "on", True) for o in args.overlap]
-    runs = [(*run, skinny, rs, silu, rope, rows, small) for rs in args.rotary_store for silu in args.silu_epilogue
+    runs = [(*run, skinny, rs, silu, rope, rows, small, share) for rs in args.rotary_store for silu in args.silu_epilogue
             for rope in args.rope_epilogue for skinny in args.skinny for rows in args.prefill_rows
-            for small in args.small_decode_rows for run in runs]
+            for small in args.small_decode_rows for share in args.share_prefixes for run in runs]
     import rollout.attention
 
     small_default = rollout.attention.SMALL_DECODE_ROWS
-    for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows, small in runs:
+    for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows, small, share in runs:
         rollout.attention.SMALL_DECODE_ROWS = small_default if small is None else small
         set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
                            silu=silu == "on", rope=rope == "on")
@@ -331,10 +335,12 @@ def main() -> None:
             traceback.print_exc()
             continue
         engine.runner.extend_rows_kv = None if rows == "on" else 0
+        engine.runner.share_prefixes = share == "on"
         label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
                  f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}"
                  f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}"
-                 f"{f', Triton decode to {small} rows' if small is not None else ''}")
+                 f"{f', Triton decode to {small} rows' if small is not None else ''}"
+                 f"{', prefixes unshared' if share == 'off' else ''}")
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)

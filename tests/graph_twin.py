@@ -25,13 +25,13 @@ class EagerDecodeGraphs(DecodeGraphs):
     @torch.inference_mode()
     def capture(self) -> None:
         for bs in reversed(self.sizes):
-            for with_lora in self.variants():
-                fb = self._static_batch(bs)
+            for variant in self.variants(bs):
+                fb = self._static_batch(bs, variant)
 
-                def fn(fb=fb, with_lora=with_lora):
+                def fn(fb=fb, with_lora=variant.lora):
                     self.plan_capture(fb, with_lora)  # a real graph keeps this plan baked in
                     return self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
 
                 logits = fn().clone()
-                (self.lora_logits if with_lora else self.logits)[bs] = logits
-                (self.lora_graphs if with_lora else self.graphs)[bs] = _EagerGraph(fn, logits)
+                self.logits[bs, variant] = logits
+                self.graphs[bs, variant] = _EagerGraph(fn, logits)

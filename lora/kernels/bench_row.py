@@ -37,6 +37,7 @@ def main() -> None:
     from rollout.bench.adapters import load_random_adapters
     from rollout.bench.steady import run_to_decode
     from rollout.model.shapes import SHAPES, write_shape_dir
+    from rollout.model.cuda_graph import Variant
 
     cuda = args.device.startswith("cuda")
     if not cuda:
@@ -67,7 +68,7 @@ def main() -> None:
         if cuda:
             from triton.testing import do_bench
 
-            graph = (runner.graphs.lora_graphs if lora else runner.graphs.graphs)[1]
+            graph = runner.graphs.graphs[1, Variant(lora=lora is not None)]
             replay = float(do_bench(graph.replay, warmup=10, rep=100))
         engine.abort(req)
         while engine.has_unfinished():

@@ -39,6 +39,12 @@ class AttentionBackend(ABC):
         made); backends whose kernels compile per shape on first use override it."""
         return 0
 
+    def shared_prefix_rows(self) -> int:
+        """How many decode rows one shared-prefix group may hold in this backend's decode
+        (ForwardBatch.shared, rollout/attention/prefix_kernel.py); 0: it reads every row's KV
+        whole, and the runner plans no groups."""
+        return 0
+
     def plan(self, batch: ForwardBatch) -> None:
         """Per-step metadata shared by all layers."""
         self.batch = batch

@@ -107,6 +107,9 @@ def main() -> None:
 
             for s in args.splits:
                 variants[f"triton s={s}"] = triton_run(s, None, None, None)
+            if args.share > 1:
+                variants.update(_shared_variants(tk, q, k_buf, v_buf, indptr, indices, batch, context,
+                                                 min(-(-args.prompt // ps) * ps, context - 1), args.share, scale, gpu))
             if gpu:
                 for s in (1, 2):
                     for bn, st, w in ((32, 3, 4), (64, 3, 4), (128, 2, 4), (64, 2, 8), (32, 4, 2)):
@@ -135,6 +138,40 @@ def main() -> None:
             print(f"| {b} | {c} | {name} | - | - | - | {note} |")
         else:
             print(f"| {b} | {c} | {name} | {ms * 1e3:.1f} | {tbs:.2f} | {note} | {'' if err is None else f'{err:.2e}'} |")
+
+
+def _shared_variants(tk, q, k_buf, v_buf, indptr, indices, batch, context, prefix, share, scale, gpu) -> dict:
+    """Our Triton decode with each prompt's pages attended once for its `share` requests
+    (prefix_kernel.py), at the engine's tile and the sweep's."""
+    from rollout.attention import prefix_kernel as pk
+    from rollout.attention import shared_prefix
+
+    groups = [(prefix, list(range(b, min(b + share, batch)))) for b in range(0, batch, share)]
+    groups = [g for g in groups if len(g[1]) > 1]
+    shared = shared_prefix.pack(groups, batch, q.device)
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def run_with(splits: int, pre: tuple[int, int, int, int, int] | None):
+        def run() -> torch.Tensor:
+            saved = pk.PRE_SPLITS, pk.BLOCK_M, pk.BLOCK_N, pk.NUM_WARPS, pk.NUM_STAGES
+            if pre is not None:
+                pk.PRE_SPLITS, pk.BLOCK_M, pk.BLOCK_N, pk.NUM_WARPS, pk.NUM_STAGES = pre
+            try:
+                return tk.decode_attention(q, k_buf, v_buf, indptr, indices, scale, num_kv_splits=splits,
+                                           max_kv_len=context, shared=shared)
+            finally:
+                pk.PRE_SPLITS, pk.BLOCK_M, pk.BLOCK_N, pk.NUM_WARPS, pk.NUM_STAGES = saved
+        return run
+
+    out["shared prefix (engine's tile) s=1"] = run_with(1, None)
+    if gpu:
+        out["shared prefix s=2"] = run_with(2, None)
+        q_rows = share * q.shape[1] // k_buf.shape[1]
+        for pre in ((2, 64, 64, 4, 2), (8, 64, 64, 4, 2), (4, 64, 32, 4, 3), (4, 64, 64, 8, 2), (4, 64, 128, 8, 2),
+                    (8, 32, 64, 4, 2), (4, 32, 64, 4, 3)):
+            if pre[1] >= q_rows:
+                out["shared prefix s=1 splits/M/N/warps/stages " + "/".join(map(str, pre))] = run_with(1, pre)
+    return out
 
 
 def _reference(q, k_buf, v_buf, indices, batch, context, scale) -> torch.Tensor:

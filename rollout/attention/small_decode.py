@@ -36,23 +36,30 @@ class SmallDecode(AttentionBackend):
         self.name = f"{main.name}+{small.name}"  # e.g. "flashinfer+triton"
         self.active = main
 
-    def _for(self, bs: int) -> AttentionBackend:
+    def _for(self, batch: ForwardBatch, bs: int) -> AttentionBackend:
+        # steps with shared-prefix groups attend with the backend that reads a prefix once
+        if batch.shared is not None and self.small.shared_prefix_rows():
+            return self.small
         return self.small if bs <= self.max_rows else self.main
+
+    def shared_prefix_rows(self) -> int:
+        return self.small.shared_prefix_rows()
 
     def warm_up(self) -> int:
         return self.main.warm_up() + self.small.warm_up()
 
     # self.batch stays unset: forward() is the active backend's, which holds its own plan
     def plan(self, batch: ForwardBatch) -> None:
-        self.active = self.main  # eager steps: the main backend whatever their size
-        self.main.plan(batch)
+        # eager steps: the main backend whatever their size, but for shared-prefix groups
+        self.active = self.small if batch.shared is not None and self.small.shared_prefix_rows() else self.main
+        self.active.plan(batch)
 
     def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:
-        self.active = self._for(batch.batch_size)
+        self.active = self._for(batch, batch.batch_size)
         self.active.plan_capture(batch, max_context)
 
     def plan_replay(self, batch: ForwardBatch, bs: int) -> None:
-        self._for(bs).plan_replay(batch, bs)
+        self._for(batch, bs).plan_replay(batch, bs)
 
     def kv_target(self, layer_id: int) -> KVTarget | None:
         return self.active.kv_target(layer_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.attention.prefix_kernel import members_max
 from rollout.attention.triton_kernels import decode_attention, default_num_kv_splits, extend_attention
 from rollout.model.forward_batch import ForwardBatch
 
@@ -18,9 +19,14 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     graphable = True  # kernels read only device tensors once the split count is fixed
 
+    def shared_prefix_rows(self) -> int:
+        k = self.pool.k_buffers[0]
+        return members_max(self.num_heads, self.num_kv_heads, k.dtype, k.device.type == "cuda")
+
     def plan(self, batch: ForwardBatch) -> None:
         super().plan(batch)
         self.decode_num_splits: int | None = None
+        self.shared = batch.shared  # decode rows grouped by a shared prefix (the runner plans them)
         nd = batch.num_decode
         kv_split = sum(batch.seq_lens[:nd])  # CPU: no device sync
         self.decode_kv_indptr = batch.kv_indptr[: nd + 1]
@@ -46,6 +52,7 @@ class TritonAttention(AttentionBackend):
             decode_attention(
                 q[:nd], k_buf, v_buf, self.decode_kv_indptr, self.decode_kv_indices, self.scale,
                 out=out[:nd], num_kv_splits=self.decode_num_splits, max_kv_len=self.decode_max_len,
+                shared=self.shared,
             )
         if nd < batch.batch_size:
             extend_attention(

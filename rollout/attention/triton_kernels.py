@@ -20,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.attention.prefix_kernel import launch_prefix, prefix_config
 from rollout.kernels import pdl
 from rollout.kernels.pdl_device import launch_next_then_wait
+from rollout.model.forward_batch import SharedPrefixes
 
 __all__ = ["decode_attention", "extend_attention"]
 
@@ -120,14 +122,14 @@ def _extend_config(block_d: int, dtype: torch.dtype, gpu: bool) -> tuple[int, in
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, kv_indptr, kv_indices, MidO, MidLse,
+    Q, K, V, kv_indptr, kv_indices, kv_skip, MidO, MidLse,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     num_kv_splits,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
     if USE_PDL:
         launch_next_then_wait()
@@ -145,6 +147,10 @@ def _decode_stage1_kernel(
 
     kv_start = tl.load(kv_indptr + b)
     kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    if HAS_SKIP:  # the row's first kv_skip[b] tokens are a shared prefix, attended apart (cascade_kernels.py)
+        skip = tl.load(kv_skip + b)
+        kv_start += skip
+        kv_len -= skip
     # Split length rounded up to BLOCK_N so no split wastes a partly-masked block in the
     # middle; stage 2 recomputes the same bounds to know which splits are non-empty.
     per_split = tl.cdiv(tl.cdiv(kv_len, num_kv_splits), BLOCK_N) * BLOCK_N
@@ -183,11 +189,21 @@ def _decode_stage1_kernel(
 
 
 @triton.jit
+def _merge_split(acc, l_i, m_i, o, lse):
+    # one split's normalised output o and log2-LSE into the running (acc, l, m)
+    m_new = tl.maximum(m_i, lse)
+    old_scale = tl.exp2(m_i - m_new)
+    w = tl.exp2(lse - m_new)
+    return acc * old_scale + o * w, l_i * old_scale + w, m_new
+
+
+@triton.jit
 def _decode_stage2_kernel(
-    MidO, MidLse, Out, kv_indptr,
+    MidO, MidLse, Out, kv_indptr, kv_skip,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     num_kv_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SKIP: tl.constexpr, PRE_SPLITS: tl.constexpr, PRE_BLOCK_N: tl.constexpr,
 ):
     if USE_PDL:
         launch_next_then_wait()
@@ -196,6 +212,10 @@ def _decode_stage2_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     kv_len = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
+    skip = 0
+    if HAS_SKIP:
+        skip = tl.load(kv_skip + b)
+        kv_len -= skip
     per_split = tl.cdiv(tl.cdiv(kv_len, num_kv_splits), BLOCK_N) * BLOCK_N
 
     m_i = float("-inf")
@@ -206,12 +226,17 @@ def _decode_stage2_kernel(
         if s * per_split < kv_len:
             o = tl.load(MidO + b * stride_mob + h * stride_moh + s * stride_mos + offs_d, mask=mask_d, other=0.0)
             lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + s)
-            m_new = tl.maximum(m_i, lse)
-            old_scale = tl.exp2(m_i - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * old_scale + o * w
-            l_i = l_i * old_scale + w
-            m_i = m_new
+            acc, l_i, m_i = _merge_split(acc, l_i, m_i, o, lse)
+    if HAS_SKIP:
+        # The shared prefix's splits follow the row's own (cascade_kernels.py writes them, with
+        # the same split bounds): merged by the same log-sum-exp weights.
+        per_pre = tl.cdiv(tl.cdiv(skip, PRE_SPLITS), PRE_BLOCK_N) * PRE_BLOCK_N
+        for s in range(0, PRE_SPLITS):
+            if s * per_pre < skip:
+                at = num_kv_splits + s
+                o = tl.load(MidO + b * stride_mob + h * stride_moh + at * stride_mos + offs_d, mask=mask_d, other=0.0)
+                lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + at)
+                acc, l_i, m_i = _merge_split(acc, l_i, m_i, o, lse)
     # kv_len == 0 (no KV at all) yields zeros instead of 0/0.
     res = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=mask_d)
@@ -236,8 +261,11 @@ def decode_attention(
     num_kv_splits: int | None = None,
     *,
     max_kv_len: int | None = None,  # host-side hint; avoids a device sync when splits are chosen
+    shared: SharedPrefixes | None = None,  # rows grouped by a shared prefix, read once per group
 ) -> torch.Tensor:
-    """Single-token attention per request over paged KV (flash-decoding, two stages)."""
+    """Single-token attention per request over paged KV (flash-decoding, two stages). With
+    `shared`, each group's prefix is attended by one pass for all its rows (prefix_kernel.py)
+    and stage 1 reads only each row's tokens past it; stage 2 merges both."""
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
     num_heads, num_kv_heads, head_dim = _check_common(q, k_cache, v_cache)
@@ -260,26 +288,39 @@ def decode_attention(
             max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max().item())  # device sync
         num_kv_splits = _default_num_kv_splits(batch, num_kv_heads * head_blocks, max_kv_len, q.device)
     num_kv_splits = max(1, int(num_kv_splits))
+    pre_block_n, pre_splits = 16, 1  # unused without `shared`
+    if shared is not None:
+        if shared.row_skip.numel() != batch or shared.grp_rows.numel() != batch:
+            raise ValueError(f"shared prefixes are planned for {shared.row_skip.numel()} rows, the batch has {batch}")
+        _, pre_block_n, pre_splits, _ = prefix_config(q.dtype, gpu)
+    skip = shared.row_skip if shared is not None else kv_indptr  # a dummy pointer without it
 
-    # float32 workspace: partial outputs (normalised per split) and their log2-LSE.
-    mid_o = torch.empty((batch, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    # float32 workspace: partial outputs (normalised per split) and their log2-LSE; with
+    # shared prefixes, each row's prefix splits follow its own.
+    total = num_kv_splits + (pre_splits if shared is not None else 0)
+    mid_o = torch.empty((batch, num_heads, total, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, total), dtype=torch.float32, device=q.device)
     _decode_stage1_kernel[(batch, num_kv_heads * head_blocks, num_kv_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse,
+        q, k_cache, v_cache, kv_indptr, kv_indices, skip, mid_o, mid_lse,
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         num_kv_splits,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        **extra, **pdl.launch(q.device, env=PDL),
+        HAS_SKIP=shared is not None, **extra, **pdl.launch(q.device, env=PDL),
     )
+    if shared is not None:
+        launch_prefix(q, k_cache, v_cache, kv_indptr, kv_indices, shared.grp_len, shared.grp_indptr, shared.grp_rows,
+                      mid_o, mid_lse, sm_scale * _LOG2E, num_kv_splits, head_dim=head_dim, block_d=block_d,
+                      precision=_dot_precision(q.dtype), pdl_kw=pdl.launch(q.device, env=PDL))
     _decode_stage2_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, kv_indptr,
+        mid_o, mid_lse, out, kv_indptr, skip,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         num_kv_splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        HAS_SKIP=shared is not None, PRE_SPLITS=pre_splits, PRE_BLOCK_N=pre_block_n,
         **({"num_warps": 2 if block_d <= 128 else 4, "num_stages": 2} if gpu else {}), **pdl.launch(q.device, env=PDL),
     )
     return out

@@ -15,12 +15,13 @@ FlashInfer (one wrapper per size, re-planned by `plan_replay` before each replay
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.model.forward_batch import ForwardBatch, LoraInputs
+from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
 from rollout.model.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -55,6 +56,19 @@ def batch_size_ladder(max_bs: int) -> list[int]:
     return [s for s in sizes if s < max_bs] + [max_bs]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Which optional kernels a graph has captured: the adapter ops (LoRA on, replayed only for
+    batches that use an adapter, so base-only batches pay nothing) and shared-prefix
+    attention (replayed only for steps whose rows share a prefix)."""
+
+    lora: bool = False
+    shared: bool = False
+
+
+PLAIN = Variant()
+
+
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, backend: AttentionBackend, max_bs: int, max_context: int,
                  device: torch.device, lora: LoraPool | None = None) -> None:
@@ -79,27 +93,42 @@ class DecodeGraphs:
             self.lora_seg_indptr = torch.zeros(s + 1, dtype=torch.int32, **kw)  # all segments empty until planned
             self.lora_seg_slots = torch.full((s,), -1, dtype=torch.int32, **kw)
         self._qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)  # one token per row
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        # With LoRA: a second graph per size with the adapter ops captured, replayed only for
-        # batches that use an adapter; base-only batches replay the plain graph and pay nothing.
-        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.lora_logits: dict[int, torch.Tensor] = {}
+        # Shared-prefix groups (rollout/attention/shared_prefix.py), where the backend reads a
+        # prefix once per group: static buffers for max_bs rows and max_bs // 2 groups, groups
+        # past a step's of length 0.
+        self.shared = backend.shared_prefix_rows() > 1
+        if self.shared:
+            g = SharedPrefixes.max_groups(max_bs)
+            self.row_skip = torch.zeros(max_bs, dtype=torch.int32, **kw)
+            self.grp_len = torch.zeros(g, dtype=torch.int32, **kw)
+            self.grp_indptr = torch.zeros(g + 1, dtype=torch.int32, **kw)
+            self.grp_rows = torch.zeros(max_bs, dtype=torch.int32, **kw)
+        self.graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, Variant], torch.Tensor] = {}
         self.num_replays = 0
         self.num_lora_replays = 0  # of those, replays of a graph with the LoRA ops
+        self.num_shared_replays = 0  # of those, replays with shared-prefix attention
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def _static_batch(self, bs: int, variant: Variant = PLAIN) -> ForwardBatch:
+        shared = None
+        if variant.shared:
+            g = SharedPrefixes.max_groups(bs)
+            shared = SharedPrefixes(self.row_skip[:bs], self.grp_len[:g], self.grp_indptr[: g + 1], self.grp_rows[:bs],
+                                    num_groups=g, shared_tokens=0)
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
             qo_indptr=self._qo_indptr[: bs + 1],
             kv_indptr=self.kv_indptr[: bs + 1], kv_indices=self.kv_indices,
             logits_indices=torch.arange(bs, device=self.device),
-            extend_lens=[1] * bs, seq_lens=[self.max_context] * bs, num_decode=bs,
+            extend_lens=[1] * bs, seq_lens=[self.max_context] * bs, num_decode=bs, shared=shared,
         )
 
-    def variants(self) -> tuple[bool, ...]:
-        """Which graphs each size gets: without LoRA ops, and with them when LoRA is on."""
-        return (False, True) if self.lora is not None else (False,)
+    def variants(self, bs: int) -> list[Variant]:
+        """Which graphs size bs gets: plain, with LoRA ops when LoRA is on, and each of those
+        with shared-prefix attention where the backend has it (2 rows and up: a group's least)."""
+        loras = (False, True) if self.lora is not None else (False,)
+        shares = (False, True) if self.shared and bs > 1 else (False,)
+        return [Variant(lora, shared) for lora in loras for shared in shares]
 
     def plan_capture(self, fb: ForwardBatch, with_lora: bool) -> None:
         """Fix what the captured kernels read: the backend's metadata and the LoRA inputs."""
@@ -115,9 +144,9 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.device)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            for with_lora in self.variants():
-                fb = self._static_batch(bs)
-                self.plan_capture(fb, with_lora)
+            for variant in self.variants(bs):
+                fb = self._static_batch(bs, variant)
+                self.plan_capture(fb, variant.lora)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
@@ -126,8 +155,8 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self.model.logits(self.model(fb.input_ids, fb.positions, self.backend))
-                (self.lora_graphs if with_lora else self.graphs)[bs] = graph
-                (self.lora_logits if with_lora else self.logits)[bs] = logits
+                self.graphs[bs, variant] = graph
+                self.logits[bs, variant] = logits
         torch.cuda.synchronize(self.device)
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -159,9 +188,27 @@ class DecodeGraphs:
             self.out_cache_loc[b:bs].zero_()
             self.kv_indptr[b + 1 : bs + 1].copy_(self._pad_indptr[:pad] + nnz)
             self.kv_indices[nnz : nnz + pad].zero_()
+        variant = Variant(fb.lora_active, fb.shared is not None and (bs, Variant(fb.lora_active, True)) in self.graphs)
+        if variant.shared:
+            self._write_shared(fb.shared, b, bs)  # type: ignore[arg-type]
+        elif fb.shared is not None:
+            fb = replace(fb, shared=None)  # no such graph: the plan's backend must be the plain graph's
         self.backend.plan_replay(fb, bs)
-        graphs, logits = (self.lora_graphs, self.lora_logits) if fb.lora_active else (self.graphs, self.logits)
-        graphs[bs].replay()
+        self.graphs[bs, variant].replay()
         self.num_replays += 1
-        self.num_lora_replays += fb.lora_active
-        return logits[bs][:b]
+        self.num_lora_replays += variant.lora
+        self.num_shared_replays += variant.shared
+        return self.logits[bs, variant][:b]
+
+    def _write_shared(self, shared: SharedPrefixes, b: int, bs: int) -> None:
+        """The step's groups into the static buffers of the bs-row graph: padding rows share
+        nothing, and the graph's groups past the step's are empty."""
+        g, g_bs = shared.grp_len.numel(), SharedPrefixes.max_groups(bs)
+        self.row_skip[:b].copy_(shared.row_skip)
+        self.grp_len[:g].copy_(shared.grp_len)
+        self.grp_indptr[: g + 1].copy_(shared.grp_indptr)
+        self.grp_rows[:b].copy_(shared.grp_rows)
+        if bs > b:
+            self.row_skip[b:bs].zero_()
+        if g_bs > g:
+            self.grp_len[g:g_bs].zero_()

@@ -28,6 +28,9 @@ class ForwardBatch:
     # LoRA (None when the engine has no adapters enabled): which token rows run which
     # adapter slot, grouped by slot (lora/segments.py).
     lora: LoraInputs | None = None
+    # Decode rows grouped by a shared KV prefix (n samples of a prompt), for attention that
+    # reads each prefix once per group (rollout/attention/prefix_kernel.py); None: no groups.
+    shared: SharedPrefixes | None = None
 
     @property
     def batch_size(self) -> int:
@@ -49,3 +52,22 @@ class LoraInputs:
     seg_indptr: torch.Tensor  # [S+1] int32
     seg_slots: torch.Tensor  # [S] int32
     num_lora_rows: int  # host: rows that run an adapter (row_ids past it are padding)
+
+
+@dataclass
+class SharedPrefixes:
+    """Decode rows whose KV starts with the same slots, in groups: the rows of group g are
+    grp_rows[grp_indptr[g]:grp_indptr[g+1]], and the first grp_len[g] slots of each one's KV
+    are the same. Sized for B rows and max(1, B // 2) groups (a group has >= 2 rows), groups
+    past the step's with length 0, so shapes depend only on B (CUDA-graph static buffers)."""
+
+    row_skip: torch.Tensor  # [B] int32: shared tokens at the start of each row's KV (0: none)
+    grp_len: torch.Tensor  # [G] int32
+    grp_indptr: torch.Tensor  # [G+1] int32
+    grp_rows: torch.Tensor  # [B] int32
+    num_groups: int  # host
+    shared_tokens: int  # host: KV tokens the groups read once instead of once a row
+
+    @staticmethod
+    def max_groups(rows: int) -> int:
+        return max(1, rows // 2)

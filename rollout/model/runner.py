@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rollout.attention import shared_prefix
 from rollout.attention.base import AttentionBackend
 from rollout.device import to_device
 from rollout.model.cuda_graph import DecodeGraphs
 from lora.segments import plan_segments
-from rollout.model.forward_batch import ForwardBatch, LoraInputs
+from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
 from rollout.model.llama import LlamaModel
 from rollout.request import Req
 from rollout.scheduler import ScheduledBatch
@@ -55,6 +56,10 @@ class ModelRunner:
         # itself) sum to at most this many tokens. None: EXTEND_ROWS_KV when decode graphs are
         # captured, else 0 (without a graph to replay, rows only add attention reads); 0: never.
         self.extend_rows_kv: int | None = None
+        # Decode steps group rows that share a tree-owned KV prefix (n samples of a prompt) so
+        # attention reads each prefix once per group, where the backend can (shared_prefix.py);
+        # False: never (A/B in benchmarks).
+        self.share_prefixes = True
         # the last token sampled for each request row, on the device (overlap scheduling
         # feeds in-flight tokens from here without a host round trip)
         self.last_tokens = torch.zeros(table.shape[0], dtype=torch.int64, device=device)
@@ -112,10 +117,15 @@ class ModelRunner:
         table = self.table_np
         kv_indices = np.concatenate([table[row, :n] for row, n in zip(rows, seq_lens)])
         inflight = [(i, r.req_pool_idx) for i, r in enumerate(reqs) if r.num_inflight]
+        shared = None
+        if self.share_prefixes and len(reqs) > 1 and self.backend is not None:
+            members = self.backend.shared_prefix_rows()
+            if members > 1:
+                shared = shared_prefix.plan(reqs, table, members, self.device)
         return self._finish(
             torch.tensor([0 if r.num_inflight else r.output_ids[-1] for r in reqs], dtype=torch.int64),
             torch.from_numpy(positions), torch.from_numpy(table[rows, positions]), torch.from_numpy(kv_indices),
-            torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens, inflight,
+            torch.arange(len(reqs), dtype=torch.int64), batch, seq_lens, inflight, shared=shared,
         )
 
     def _as_rows(self, batch: ScheduledBatch) -> bool:
@@ -184,7 +194,8 @@ class ModelRunner:
 
     def _finish(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_indices: torch.Tensor, logits_indices: torch.Tensor, batch: ScheduledBatch,
-                seq_lens: list[int], inflight: list[tuple[int, int]], row_lens: list[int] | None = None) -> ForwardBatch:
+                seq_lens: list[int], inflight: list[tuple[int, int]], row_lens: list[int] | None = None,
+                shared: SharedPrefixes | None = None) -> ForwardBatch:
         """`row_lens`: new tokens per attention row when rows are not the batch's requests
         (a verify step as decode rows: all decodes)."""
         extend_lens = list(batch.extend_lens) if row_lens is None else row_lens
@@ -214,6 +225,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             num_decode=batch.num_decode if row_lens is None else len(row_lens),
             lora=lora,
+            shared=shared,
         )
 
     def _lora_inputs(self, batch: ScheduledBatch, num_tokens: int) -> LoraInputs:

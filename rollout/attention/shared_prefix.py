@@ -1,0 +1,85 @@
+"""Which decode rows share a KV prefix: the host side of shared-prefix attention (prefix_kernel.py).
+
+A request's first `num_prefix_tokens` KV slots are owned by the radix tree (rollout/cache/
+manager.py), so two requests share those slots exactly when their prefixes end at the same
+tree slot with the same length: a slot belongs to one node, and a node has one path from
+the root. n samples forked from one prompt, or the same prompt matched again from the
+cache, land in one group. Planned per step from host state alone (no device sync) and
+shipped in one host-to-device copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rollout.device import to_device
+from rollout.model.forward_batch import SharedPrefixes
+from rollout.request import Req
+
+# A group's prefix shorter than this is attended with the rest of its rows' KV: the pass of
+# its own costs a launch a layer and saves little.
+MIN_PREFIX_TOKENS = 64
+# A step groups its rows only when the groups save reading at least this many KV tokens a
+# layer (sum over groups of (rows - 1) x prefix): below it the extra launch outweighs them.
+MIN_SHARED_TOKENS = 4096
+
+
+def group_rows(reqs: Sequence[Req], table: np.ndarray, members_max: int,
+               min_prefix: int | None = None) -> list[tuple[int, list[int]]]:
+    """(prefix length, rows) of each group of >= 2 rows, at most members_max rows each."""
+    if members_max < 2:
+        return []
+    min_prefix = MIN_PREFIX_TOKENS if min_prefix is None else min_prefix
+    by_prefix: dict[tuple[int, int], list[int]] = {}
+    for i, req in enumerate(reqs):
+        p = req.num_prefix_tokens
+        if p >= min_prefix and req.req_pool_idx is not None:
+            by_prefix.setdefault((int(table[req.req_pool_idx, p - 1]), p), []).append(i)
+    groups = []
+    for (_, p), rows in by_prefix.items():
+        for at in range(0, len(rows), members_max):
+            chunk = rows[at : at + members_max]
+            if len(chunk) >= 2:
+                groups.append((p, chunk))
+    return groups
+
+
+def pack(groups: Sequence[tuple[int, Sequence[int]]], num_rows: int, device: torch.device) -> SharedPrefixes:
+    """The device form of `groups` for a step of num_rows rows (one copy)."""
+    g_max = SharedPrefixes.max_groups(num_rows)
+    if len(groups) > g_max:
+        raise ValueError(f"{len(groups)} prefix groups for {num_rows} rows (at most {g_max})")
+    row_skip = np.zeros(num_rows, dtype=np.int32)
+    grp_len = np.zeros(g_max, dtype=np.int32)
+    grp_indptr = np.zeros(g_max + 1, dtype=np.int32)
+    grp_rows = np.zeros(num_rows, dtype=np.int32)
+    at = shared = 0
+    for g, (p, rows) in enumerate(groups):
+        if len(rows) < 2 or p < 1:
+            raise ValueError(f"prefix group {g}: needs >= 2 rows and a prefix, got {len(rows)} rows, prefix {p}")
+        grp_len[g] = p
+        grp_rows[at : at + len(rows)] = rows
+        row_skip[list(rows)] = p
+        at += len(rows)
+        grp_indptr[g + 1] = at
+        shared += (len(rows) - 1) * p
+    grp_indptr[len(groups) + 1 :] = at
+    if at > num_rows or len(set(int(r) for r in grp_rows[:at])) != at:
+        raise ValueError("prefix groups must hold distinct rows of the step")
+    packed = to_device(torch.from_numpy(np.concatenate([row_skip, grp_len, grp_indptr, grp_rows])), device)
+    b, g = num_rows, g_max
+    return SharedPrefixes(packed[:b], packed[b : b + g], packed[b + g : b + 2 * g + 1], packed[b + 2 * g + 1 :],
+                          num_groups=len(groups), shared_tokens=shared)
+
+
+def plan(reqs: Sequence[Req], table: np.ndarray, members_max: int, device: torch.device,
+         min_shared: int | None = None) -> SharedPrefixes | None:
+    """The step's groups, or None when they would save less than min_shared KV tokens."""
+    groups = group_rows(reqs, table, members_max)
+    min_shared = MIN_SHARED_TOKENS if min_shared is None else min_shared
+    if not groups or sum((len(rows) - 1) * p for p, rows in groups) < min_shared:
+        return None
+    return pack(groups, len(reqs), device)
