@@ -167,8 +167,8 @@ def _shared_variants(tk, q, k_buf, v_buf, indptr, indices, batch, context, prefi
     if gpu:
         out["shared prefix s=2"] = run_with(2, None)
         q_rows = share * q.shape[1] // k_buf.shape[1]
-        for pre in ((2, 64, 64, 4, 2), (8, 64, 64, 4, 2), (4, 64, 32, 4, 3), (4, 64, 64, 8, 2), (4, 64, 128, 8, 2),
-                    (8, 32, 64, 4, 2), (4, 32, 64, 4, 3)):
+        for pre in ((4, 64, 64, 4, 2), (2, 64, 64, 4, 2), (4, 64, 32, 4, 3), (2, 32, 64, 4, 3), (8, 32, 64, 4, 3),
+                    (4, 32, 32, 4, 3), (4, 32, 64, 4, 4), (4, 32, 64, 2, 3)):
             if pre[1] >= q_rows:
                 out["shared prefix s=1 splits/M/N/warps/stages " + "/".join(map(str, pre))] = run_with(1, pre)
     return out

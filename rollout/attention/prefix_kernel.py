@@ -26,14 +26,15 @@ from rollout.kernels.pdl_device import launch_next_then_wait
 
 __all__ = ["PRE_SPLITS", "launch_prefix", "members_max", "prefix_config", "prefix_kernel"]
 
-# Splits of a shared prefix (a graph fixes the grid): at 64 groups x 8 kv heads, 4 splits
-# give 2048 programs, ~4 waves on 132 SMs, each reading a 256-token chunk of a 1024 prompt.
-# These and the tile below are read at each launch (bench_decode --share sweeps them).
+# Splits of a shared prefix (a graph fixes the grid) and the tile; read at each launch
+# (bench_decode --share sweeps them). H200, 8B heads, 512 rows x 1152 tokens, 8 rows a
+# 1024-token prefix (BENCHMARKS.md, "shared-prefix decode"): 4 splits of 32 query rows (8
+# members at GQA 4), 64 keys, 3 stages 197 us; 64 rows 227, 8 splits 226, 8 warps 300-313.
 PRE_SPLITS = 4
-BLOCK_M = 64  # query rows a program: members x GQA group (16 members at Llama-3-8B's 4)
+BLOCK_M = 32  # query rows a program: members x GQA group
 BLOCK_N = 64
 NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_STAGES = 3
 INTERPRETER_PRE_SPLITS = 2  # tiny CPU tests: several splits over short prefixes
 
 
