@@ -41,6 +41,12 @@ class EngineConfig:
     # gave 9870-12592 tok/s across runs; with graphs to 512, 12862-13059 (BENCHMARKS.md).
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 512
+    # Decode rows whose KV starts with the same tree-owned prompt prefix (GRPO's n samples)
+    # attend that prefix once per group (rollout/attention/shared_prefix.py), where the
+    # backend can (Triton decode; `auto` on CUDA). On, decode graphs get a variant with it per
+    # size. H100 (8B shape, 64 prompts x n=8, 1024 in / 256 out): 13580-13636 against 12121
+    # tok/s without (BENCHMARKS.md, "Shared-prefix decode"). False: each row reads its KV whole.
+    shared_prefix_attention: bool = True
     # Schedule and launch step t+1 before reading step t's tokens back (the host work of one
     # step hides behind the device work of the next). None: on for CUDA (measured on an H200:
     # batch-1 decode 6.4 -> 4.9 ms per step), off on CPU, where the "device" is the host.
@@ -103,7 +109,7 @@ class EngineConfig:
         for name in ("max_total_tokens", "num_threads"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), f + name, min=1)
-        for name in ("enable_radix_cache", "cuda_graph", "load_tokenizer"):
+        for name in ("enable_radix_cache", "cuda_graph", "load_tokenizer", "shared_prefix_attention"):
             check_bool(getattr(self, name), f + name)
         if self.overlap_schedule is not None:
             check_bool(self.overlap_schedule, f + "overlap_schedule")

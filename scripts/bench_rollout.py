@@ -209,7 +209,7 @@ def main() -> None:
         ("--prefill-rows", "small prefills as decode rows replaying a decode graph (ModelRunner.extend_rows_kv: "
                            "the engine's budget) or the eager extend layout"),
         ("--share-prefixes", "decode rows grouped by a shared prompt prefix, attended once a group "
-                             "(ModelRunner.share_prefixes, rollout/attention/prefix_kernel.py) or each row whole"),
+                             "(EngineConfig.shared_prefix_attention, rollout/attention/prefix_kernel.py) or each row whole"),
     ):
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
     parser.add_argument("--c-radix", nargs="+", default=["on", "off"], choices=["on", "off"],
@@ -303,8 +303,9 @@ def main() -> None:
 
     max_tokens = None if device.type == "cuda" else 300_000  # CPU smoke: a bounded pool
 
-    def engine_for(attention: str, overlap: bool, radix: bool = True, deterministic: bool = False):
-        return Engine(EngineConfig(deterministic=deterministic,model=model_dir, dtype="bfloat16" if device.type == "cuda" else "float32",
+    def engine_for(attention: str, overlap: bool, radix: bool = True, deterministic: bool = False,
+                   share: bool = True):
+        return Engine(EngineConfig(deterministic=deterministic, model=model_dir, shared_prefix_attention=share, dtype="bfloat16" if device.type == "cuda" else "float32",
                                    device=args.device, load_format="dummy", max_total_tokens=max_tokens,
                                    attention=attention, page_size=16, enable_radix_cache=radix,
                                    max_running_requests=512, max_prefill_tokens=8192, overlap_schedule=overlap,
@@ -330,24 +331,27 @@ def main() -> None:
         set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
                            silu=silu == "on", rope=rope == "on")
         try:
-            engine = engine_for(attention, overlap, deterministic=deterministic)
+            start = time.perf_counter()
+            engine = engine_for(attention, overlap, deterministic=deterministic, share=share == "on")
+            started = time.perf_counter() - start
         except Exception:
             traceback.print_exc()
             continue
         engine.runner.extend_rows_kv = None if rows == "on" else 0
-        engine.runner.share_prefixes = share == "on"
         label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
                  f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}"
                  f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}"
                  f"{f', Triton decode to {small} rows' if small is not None else ''}"
                  f"{', prefixes unshared' if share == 'off' else ''}")
-        print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens", flush=True)
+        graphs = engine.runner.graphs
+        print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens, built in {started:.1f} s"
+              f"{f' ({len(graphs.graphs)} decode graphs)' if graphs is not None else ''}", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)
         greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
         engine.generate(input_ids=rand_prompts(8, 64, warm) + rand_prompts(1, 700, warm), sampling_params=greedy)
         engine.generate(input_ids=rand_prompts(1, 128, warm), sampling_params=greedy)
-        run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix, deterministic))
+        run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix, deterministic, share == "on"))
         del engine
         gc.collect()
         if torch.cuda.is_available():

@@ -147,7 +147,7 @@ def _decode_stage1_kernel(
 
     kv_start = tl.load(kv_indptr + b)
     kv_len = tl.load(kv_indptr + b + 1) - kv_start
-    if HAS_SKIP:  # the row's first kv_skip[b] tokens are a shared prefix, attended apart (cascade_kernels.py)
+    if HAS_SKIP:  # the row's first kv_skip[b] tokens are a shared prefix, attended apart (prefix_kernel.py)
         skip = tl.load(kv_skip + b)
         kv_start += skip
         kv_len -= skip
@@ -228,7 +228,7 @@ def _decode_stage2_kernel(
             lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + s)
             acc, l_i, m_i = _merge_split(acc, l_i, m_i, o, lse)
     if HAS_SKIP:
-        # The shared prefix's splits follow the row's own (cascade_kernels.py writes them, with
+        # The shared prefix's splits follow the row's own (prefix_kernel.py writes them, with
         # the same split bounds): merged by the same log-sum-exp weights.
         per_pre = tl.cdiv(tl.cdiv(skip, PRE_SPLITS), PRE_BLOCK_N) * PRE_BLOCK_N
         for s in range(0, PRE_SPLITS):

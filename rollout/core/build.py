@@ -118,6 +118,7 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
     kv = KVManager(kv_pool, req_table, config.enable_radix_cache)
     scheduler = Scheduler(config, kv, lora)
     runner = ModelRunner(model, None, req_table.table, device, lora.pool if lora is not None else None)
+    runner.share_prefixes = config.shared_prefix_attention
     log.info("KV cache: %d tokens fit (%d pages of %d, %.1f GiB) on %s", kv.capacity,
              kv_pool.allocator.num_pages - 1, config.page_size,
              2 * sum(b.numel() * b.element_size() for b in kv_pool.k_buffers) / 2**30, device)

@@ -71,7 +71,7 @@ PLAIN = Variant()
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, backend: AttentionBackend, max_bs: int, max_context: int,
-                 device: torch.device, lora: LoraPool | None = None) -> None:
+                 device: torch.device, lora: LoraPool | None = None, share_prefixes: bool = True) -> None:
         if not backend.graphable:
             raise ValueError(f"attention backend {backend.name!r} cannot run inside a CUDA graph")
         self.model, self.backend, self.device = model, backend, device
@@ -95,8 +95,9 @@ class DecodeGraphs:
         self._qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)  # one token per row
         # Shared-prefix groups (rollout/attention/shared_prefix.py), where the backend reads a
         # prefix once per group: static buffers for max_bs rows and max_bs // 2 groups, groups
-        # past a step's of length 0.
-        self.shared = backend.shared_prefix_rows() > 1
+        # past a step's of length 0. `share_prefixes` False (the runner never plans groups): no
+        # such variants, half the captures.
+        self.shared = share_prefixes and backend.shared_prefix_rows() > 1
         if self.shared:
             g = SharedPrefixes.max_groups(max_bs)
             self.row_skip = torch.zeros(max_bs, dtype=torch.int32, **kw)

@@ -58,14 +58,16 @@ class ModelRunner:
         self.extend_rows_kv: int | None = None
         # Decode steps group rows that share a tree-owned KV prefix (n samples of a prompt) so
         # attention reads each prefix once per group, where the backend can (shared_prefix.py);
-        # False: never (A/B in benchmarks).
+        # EngineConfig.shared_prefix_attention sets it before the graphs are captured (on, they
+        # get a variant with it); False: never.
         self.share_prefixes = True
         # the last token sampled for each request row, on the device (overlap scheduling
         # feeds in-flight tokens from here without a host round trip)
         self.last_tokens = torch.zeros(table.shape[0], dtype=torch.int64, device=device)
 
     def capture_decode_graphs(self, max_bs: int, max_context: int) -> None:
-        self.graphs = DecodeGraphs(self.model, self.backend, max_bs, max_context, self.device, self.lora)
+        self.graphs = DecodeGraphs(self.model, self.backend, max_bs, max_context, self.device, self.lora,
+                                   share_prefixes=self.share_prefixes)
         self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:

@@ -186,3 +186,28 @@ def test_engine_n_samples_attend_their_prompt_once(llama, low_thresholds, page_s
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_config_off_plans_no_groups_and_captures_no_shared_graphs(llama, low_thresholds) -> None:
+    """EngineConfig(shared_prefix_attention=False): the runner never groups rows, and decode
+    graphs get no shared-prefix variant (half the captures at start-up and on wake)."""
+    from conftest import make_prompts
+    from graph_twin import EagerDecodeGraphs
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    with pytest.raises(TypeError, match="shared_prefix_attention"):
+        EngineConfig(model=llama.path, shared_prefix_attention="yes")
+    counts = {}
+    for on in (True, False):
+        engine = Engine(EngineConfig(model=llama.path, attention="triton", page_size=16, max_running_requests=8,
+                                     device=DEVICE, cuda_graph=False, shared_prefix_attention=on))
+        runner = engine.runner
+        assert runner.share_prefixes is on
+        runner.graphs = EagerDecodeGraphs(engine.model, runner.backend, max_bs=8, max_context=64,
+                                          device=engine.device, share_prefixes=runner.share_prefixes)
+        runner.graphs.capture()
+        counts[on] = len(runner.graphs.graphs)
+        params = SamplingParams(temperature=0, max_new_tokens=4, n=4, ignore_eos=True)
+        engine.generate(input_ids=make_prompts(llama.vocab_size, [37], seed=5), sampling_params=params)
+        assert (runner.graphs.num_shared_replays > 0) is on
+    assert counts == {True: 2 * 4 - 1, False: 4}  # sizes 1, 2, 4, 8; one row never shares
