@@ -7,6 +7,7 @@ first command of a GPU session chasing the roofline gap in BENCHMARKS.md.
 
     python -m scripts.profile_step [--shape llama8b] [--batch 256] [--input-len 512] [--steps 20]
     python -m scripts.profile_step --prefill --batch 16 --input-len 1024   # the prefill steps instead
+    python -m scripts.profile_step --batch 512 --n 8 --input-len 1024 --temperature 1   # GRPO's shape
 
 --prefill profiles the steps that prefill the batch (chunks of max_prefill_tokens, eager),
 after one warm-up batch of the same shape, and prints their kernels the same way.
@@ -42,6 +43,11 @@ def main() -> None:
     parser.add_argument("--apart", action="store_true",
                         help="with --lora at batch 1: the adapter's kernels apart from the GEMV, not its expand in "
                              "the GEMV's epilogue (lora.pool.ONE_ROW_EPILOGUE = False)")
+    parser.add_argument("--n", type=int, default=1,
+                        help="samples per prompt (batch / n prompts, forked after their prefill: GRPO's shape, "
+                             "rows sharing a prompt's KV)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; GRPO samples at 1")
+    parser.add_argument("--no-share", action="store_true", help="EngineConfig(shared_prefix_attention=False)")
     parser.add_argument("--max-running", type=int, default=None,
                         help="EngineConfig.max_running_requests and cuda_graph_max_bs (default: the batch): the "
                              "benchmarks' engines use 512, which captures graphs up to 512 rows")
@@ -68,13 +74,17 @@ def main() -> None:
                                  cuda_graph_max_bs=args.max_running or max(args.batch, 1),
                                  attention=args.attention, overlap_schedule=args.overlap,
                                  deterministic=args.deterministic, max_prefill_tokens=args.max_prefill_tokens,
+                                 shared_prefix_attention=not args.no_share,
                                  enable_lora=args.lora > 0, max_loras_per_batch=max(args.lora, 1), max_lora_rank=16))
     vocab = SHAPES[args.shape]["vocab_size"]
     names = load_adapters(engine, SHAPES[args.shape], args.lora)
     if args.prefill:
         return profile_prefill(engine, args, vocab, sync, names)
-    prompts = torch.randint(100, vocab - 100, (args.batch, args.input_len)).tolist()
-    params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 8, ignore_eos=True)
+    if args.n < 1 or args.batch % args.n:
+        parser.error(f"--n {args.n} must divide --batch {args.batch}")
+    prompts = torch.randint(100, vocab - 100, (args.batch // args.n, args.input_len)).tolist()
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.steps * 3 + 8, ignore_eos=True,
+                            n=args.n, seed=0)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, lora_name=names[i % len(names)] if names else None)
     run_to_decode(engine, warm_steps=3)  # prefill until every request decodes, then warm the decode path
@@ -95,11 +105,14 @@ def main() -> None:
         phases["sample+bookkeeping"] = total - sum(phases.values())
     print(f"\n{args.shape} {engine.config.dtype}, batch {args.batch}, context ~{args.input_len}, graphs {engine.runner.graphs is not None}, "
           f"attention {engine.runner.backend.name}, overlap {args.overlap}, deterministic {args.deterministic}, "
+          f"n {args.n}, temperature {args.temperature}, "
           f"LoRA adapters {args.lora} ({sum(r.lora_name is not None for r in engine.scheduler.running)} of "
           f"{len(engine.scheduler.running)} running requests under one): "
           f"{1e3 * total / args.steps:.2f} ms per decode step")
     for name, secs in phases.items():
         print(f"  {name:<20} {1e3 * secs / args.steps:8.2f} ms")
+    if (graphs := engine.runner.graphs) is not None:
+        print(f"  graph replays {graphs.num_replays}, with shared-prefix attention {graphs.num_shared_replays}")
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
