@@ -353,3 +353,20 @@ def test_uniform_noise_is_a_pure_function() -> None:
     # a row's noise does not depend on the vocab size beyond its own ids
     assert torch.equal(uniform_noise(seeds, positions, 8), u[:, :8])
     assert len(set(u[0].tolist())) == 32
+
+
+def test_uniform_noise_equals_the_int64_definition() -> None:
+    """The int32 in-place rounds give the bits of the int64 lanes masked to 32 bits (the hash
+    as first written, and as kernels/race.py and speculative/noise.py compute it)."""
+    from rollout.sampling import _MASK32, _mix32, row_keys
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.randint(-2**63, 2**63 - 1, (30,), generator=g), torch.tensor([0, -1, 2**63 - 1])])
+    positions = torch.cat([torch.randint(0, 2**40, (30,), generator=g), torch.tensor([0, 1, 2**32 + 5])])
+    vocab = 70000  # ids past 2**16: the golden-ratio product overflows 32 bits
+    key = row_keys(seeds, positions)
+    ids = torch.arange(vocab, dtype=torch.int64)
+    h = _mix32((key[:, None] ^ ((ids[None, :] * 0x9E3779B9) & _MASK32)) & _MASK32)
+    h = _mix32(h ^ key[:, None])
+    want = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    assert torch.equal(uniform_noise(seeds, positions, vocab), want)
