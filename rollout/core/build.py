@@ -27,6 +27,7 @@ from rollout.model.llama import Linear, LlamaModel
 from rollout.model.loader import iter_checkpoint, load_weights
 from rollout.model.parallel import check_tp_size
 from rollout.model.runner import ModelRunner
+from rollout.sampling import race
 from rollout.scheduler import Scheduler
 from rollout.validate import first_non_finite
 
@@ -131,6 +132,9 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
         # The first weight update would otherwise compile the finiteness kernel (~1 s on a
         # fresh machine): an RL run's step 1 should cost what every later step does.
         first_non_finite([torch.zeros(1, dtype=config.torch_dtype, device=device)])
+        # ... and the first sampled (temperature > 0) step the sampler's race kernel
+        race(torch.zeros(1, 1, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+             torch.zeros(1, dtype=torch.int64, device=device))
     return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft, tp)
 
 

@@ -9,12 +9,11 @@ sampler's race"). Here each program hashes a chunk of one row in registers and k
 its best (value, index); a [B, chunks] argmax picks each row's winner. Nothing [B, V] is
 written.
 
-Bit for bit the torch path's: the same integer rounds (int64 lanes masked to 32 bits, as
-uniform_noise computes them), the same float32 rounding of u, libdevice's logf (what torch's
-CUDA `log` calls) and the first index among equal maxima (torch.argmax's tie rule). The
-per-row key (seed, position) is hashed by the torch code, [B] values. Tests run the kernel
-under TRITON_INTERPRET=1 against sampling.uniform_noise's race; the GPU test compares the
-compiled kernel with torch on the device.
+Bit for bit the torch path's: the same integer rounds (int64 lanes masked to 32 bits, the
+hash's definition), the same float32 rounding of u, libdevice's logf (what torch's CUDA `log`
+calls) and the first index among equal maxima (torch.argmax's tie rule). Tests run the
+kernel under TRITON_INTERPRET=1 against sampling.uniform_noise's race; on a GPU they compare
+the compiled kernel with torch on the device.
 """
 
 from __future__ import annotations
@@ -48,11 +47,15 @@ def _log(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _race_kernel(scores_ptr, keys_ptr, best_val_ptr, best_idx_ptr, V, stride_s, num_chunks,
+def _race_kernel(scores_ptr, seeds_ptr, positions_ptr, best_val_ptr, best_idx_ptr, V, stride_s, num_chunks,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    key = tl.load(keys_ptr + row)  # int64 holding the row's 32-bit key
+    # the row's 32-bit key (sampling.row_keys), here rather than in a dozen [B] torch launches
+    # whose host time a batch-1 step would pay
+    seed = tl.load(seeds_ptr + row)
+    position = tl.load(positions_ptr + row)
+    key = _mix32((seed & 0xFFFFFFFF) ^ _mix32(((seed >> 32) & 0xFFFFFFFF) ^ _mix32(position & 0xFFFFFFFF)))
     lo = chunk * CHUNK
     best_val = float("-inf")
     best_idx = lo
@@ -83,17 +86,15 @@ def race_argmax(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
         raise ValueError(f"race_argmax: scores must be float32 [B, V] contiguous in V, got {scores.dtype} "
                          f"{tuple(scores.shape)} with strides {scores.stride()}")
     b, v = scores.shape
-    if seeds.shape != (b,) or positions.shape != (b,):
-        raise ValueError(f"race_argmax: seeds and positions must be [{b}], got {tuple(seeds.shape)} and "
-                         f"{tuple(positions.shape)}")
+    if seeds.shape != (b,) or positions.shape != (b,) or seeds.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError(f"race_argmax: seeds and positions must be int64 [{b}], got {seeds.dtype} "
+                         f"{tuple(seeds.shape)} and {positions.dtype} {tuple(positions.shape)}")
     if b == 0:
         return torch.empty(0, dtype=torch.int64, device=scores.device)
     chunks = triton.cdiv(max(v, 1), CHUNK)
     best_val = torch.empty((b, chunks), dtype=torch.float32, device=scores.device)
     best_idx = torch.empty((b, chunks), dtype=torch.int64, device=scores.device)
-    from rollout.sampling import row_keys  # the sampler imports this module lazily, on CUDA
-
-    _race_kernel[(b, chunks)](scores, row_keys(seeds, positions), best_val, best_idx, v, scores.stride(0), chunks,
+    _race_kernel[(b, chunks)](scores, seeds, positions, best_val, best_idx, v, scores.stride(0), chunks,
                               CHUNK=CHUNK, BLOCK=BLOCK, PRECISE=scores.is_cuda, num_warps=NUM_WARPS)
     # torch.argmax keeps the first of equal maxima: the earliest chunk, whose index is the smallest
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
