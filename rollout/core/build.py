@@ -132,8 +132,9 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
         # The first weight update would otherwise compile the finiteness kernel (~1 s on a
         # fresh machine): an RL run's step 1 should cost what every later step does.
         first_non_finite([torch.zeros(1, dtype=config.torch_dtype, device=device)])
-        # ... and the first sampled (temperature > 0) step the sampler's race kernel
-        race(torch.zeros(1, 1, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+        # ... and the first sampled (temperature > 0) step the sampler's race kernel, at the
+        # vocabulary's width (Triton specializes on it; a [1, 1] warm-up compiled another variant)
+        race(torch.zeros(1, cfg.vocab_size, device=device), torch.zeros(1, dtype=torch.int64, device=device),
              torch.zeros(1, dtype=torch.int64, device=device))
     return EngineParts(cfg, model, tokenizer, eos, context_len, kv_pool, req_table, kv, scheduler, runner, lora, draft, tp)
 
