@@ -78,9 +78,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 
 def race(processed: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[B] the exponential race's winners: argmax p / E == argmax (log p - log E), E = -log U
-    ~ Exp(1); filtered tokens (-inf) never win. On CUDA one Triton launch (kernels/race.py: ~20
-    int64 passes over [B, V] in torch, 14 ms of a 512-row step at a 128k vocabulary), the same
-    tokens bit for bit; elsewhere (and as its reference) the torch ops below."""
+    ~ Exp(1); filtered tokens (-inf) never win. On CUDA one Triton launch (kernels/race.py),
+    the same tokens bit for bit: 0.26 ms at 512 rows of a 128k vocabulary on an H100, against
+    6.6 ms for the torch ops below (14 ms when they ran in int64 lanes), which run elsewhere
+    and are its reference."""
     if kernels.use_fused(processed):
         from rollout.kernels.race import race_argmax
 
