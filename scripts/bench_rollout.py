@@ -305,7 +305,8 @@ def main() -> None:
 
     def engine_for(attention: str, overlap: bool, radix: bool = True, deterministic: bool = False,
                    share: bool = True):
-        return Engine(EngineConfig(deterministic=deterministic, model=model_dir, shared_prefix_attention=share, dtype="bfloat16" if device.type == "cuda" else "float32",
+        return Engine(EngineConfig(deterministic=deterministic, model=model_dir, shared_prefix_attention=share,
+                                   dtype="bfloat16" if device.type == "cuda" else "float32",
                                    device=args.device, load_format="dummy", max_total_tokens=max_tokens,
                                    attention=attention, page_size=16, enable_radix_cache=radix,
                                    max_running_requests=512, max_prefill_tokens=8192, overlap_schedule=overlap,
