@@ -11,6 +11,15 @@ re-captured for each (BLOCK_K, num_warps) of the shrink, and for each, in rounds
 interleave the shapes: a request under the adapter and one without it (the plain graph),
 `steps` engine steps each (ms a step, wall), and the device time of one replay of the
 adapter's graph alone (`do_bench`, its static inputs as the last step left them).
+
+    python -m lora.kernels.bench_row --parts [--max-running 512]
+
+`--parts` splits the adapter's cost instead (the default shape; a diagnosis, not a result:
+some parts' outputs are wrong): `full` as the engine runs it; `epilogue` the GEMVs with the
+term (B and h loaded, the FMAs) but no shrink kernel (h a zeroed buffer made before the
+capture); `shrink` the shrink kernels on the chain but GEMVs without the term;
+`no-<module>` no adapter on that one module. `--max-running` builds the engine with graphs to
+that many rows, as bench_lora's (512) are.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", nargs="+", default=["1024:4", "512:4", "512:2", "256:2", "256:1", "2048:4", "1024:8"],
                     help="BLOCK_K:num_warps of the one-row shrink")
+    ap.add_argument("--parts", action="store_true", help="split the adapter's cost: full / epilogue / shrink")
+    ap.add_argument("--max-running", type=int, default=1, help="max_running_requests and cuda_graph_max_bs")
     args = ap.parse_args()
     from lora.kernels import row
     from rollout import Engine, EngineConfig, SamplingParams
@@ -45,7 +56,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     engine = Engine(EngineConfig(model=write_shape_dir(args.shape, prefix=f"bench-row-{args.shape}-"),
                                  dtype="bfloat16" if cuda else "float32", device=args.device, load_format="dummy",
-                                 page_size=16, max_running_requests=1, cuda_graph_max_bs=1, gpu_memory_fraction=0.6,
+                                 page_size=16, max_running_requests=args.max_running,
+                                 cuda_graph_max_bs=args.max_running, gpu_memory_fraction=0.6,
                                  cuda_graph=cuda, overlap_schedule=cuda, enable_lora=True, max_loras_per_batch=1,
                                  max_lora_rank=16))
     cfg = SHAPES[args.shape]
@@ -75,11 +87,15 @@ def main() -> None:
             engine.step()
         return wall, replay
 
+    variants = PARTS if args.parts else args.shapes
     results: dict[str, dict[str, list[float]]] = {}
     for r in range(args.rounds):
-        for shape in (args.shapes if r % 2 == 0 else list(reversed(args.shapes))):
-            block_k, warps = (int(v) for v in shape.split(":"))
-            row.BLOCK_K, row.NUM_WARPS = block_k, warps
+        for shape in (variants if r % 2 == 0 else list(reversed(variants))):
+            if args.parts:
+                _set_part(runner.lora, shape)
+            else:
+                block_k, warps = (int(v) for v in shape.split(":"))
+                row.BLOCK_K, row.NUM_WARPS = block_k, warps
             if cuda:
                 runner.capture_decode_graphs(1, runner.graphs.max_context)
             got = results.setdefault(shape, {"base": [], "lora": [], "base_dev": [], "lora_dev": []})
@@ -91,13 +107,53 @@ def main() -> None:
     med = statistics.median
     print(f"\n{args.shape}, batch 1, context ~{args.context}, one rank-16 adapter on all seven modules; "
           f"median of {args.rounds} rounds of {args.steps} steps (wall ms a step) and of the graph replays (device ms)")
-    print("| BLOCK_K:warps | base step | adapter step | added | base replay | adapter replay | added |")
+    print(f"| {'part' if args.parts else 'BLOCK_K:warps'} | base step | adapter step | added | base replay | adapter replay | added |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for shape, got in results.items():
         b, a = med(got["base"]), med(got["lora"])
         dev = (f"{med(got['base_dev']):.3f} | {med(got['lora_dev']):.3f} | {med(got['lora_dev']) - med(got['base_dev']):+.3f}"
                if got["lora_dev"] else "- | - | -")
         print(f"| {shape} | {b:.3f} | {a:.3f} | {a - b:+.3f} ({a / b - 1:+.1%}) | {dev} |")
+
+
+PARTS = ["full", "epilogue", "shrink", "no-qkv_proj", "no-o_proj", "no-gate_up_proj", "no-down_proj"]
+_REAL_ONE_ROW = None
+
+
+def _set_part(pool, part: str) -> None:
+    """Swap LoraHook.one_row for the part timed next (the graphs are re-captured after it).
+    epilogue: h is a zeroed buffer made here, before the capture (so no fill is captured)."""
+    from lora.hook import LoraHook
+    from lora.kernels.row import splits
+    from rollout.kernels.low_rank import LowRank, OneRow
+
+    global _REAL_ONE_ROW
+    if _REAL_ONE_ROW is None:
+        _REAL_ONE_ROW = LoraHook.one_row
+    real = _REAL_ONE_ROW
+    zeros = {m: torch.zeros((splits(s.in_features, pool.device), s.num_slices * pool.max_rank), dtype=torch.float32,
+                            device=pool.device) for m, s in pool.shapes.items()}
+
+    def epilogue(self, x):
+        if self.pool.batch is None or x.shape[0] != 1:  # no adapter this step, or not the one-row path
+            return real(self, x)
+        slot = self.pool.batch.seg_slots[:1]
+        return OneRow(LowRank(zeros[self.key[1]], self.pool.b[self.key], slot, self.pool.slot_ranks,
+                              self.slice_offsets, self.pool.max_rank))
+
+    def shrink(self, x):
+        got = real(self, x)
+        return OneRow(None) if got is not None and got.term is not None else got
+
+    def without(module):
+        def one_row(self, x):
+            if self.key[1] == module and self.pool.batch is not None and x.shape[0] == 1:
+                return OneRow(None)
+            return real(self, x)
+        return one_row
+
+    fns = {"full": real, "epilogue": epilogue, "shrink": shrink}
+    LoraHook.one_row = fns[part] if part in fns else without(part[3:])
 
 
 if __name__ == "__main__":
