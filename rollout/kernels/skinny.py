@@ -31,6 +31,8 @@ added to its rows before the epilogue: the adapter's B rows are loaded before th
 (no kernel of the step writes them) and the shrink's partial sums right after it, beside x's
 first tile, so the epilogue waits on no load (loaded there, they lengthened every program:
 the GEMV's mean 31.2 -> 38.2 us, against 33.5 now; BENCHMARKS.md, multi-LoRA "session 9").
+The delta `h . B[n]` is formed there too, before the K loop, so the loop holds one value a row
+rather than h and B: the GEMV keeps its registers, and its programs an SM, with a term.
 
 A form for 2-16 rows (tl.dot, rows padded to 16) was measured and dropped: at the default
 tiles it lost to cuBLAS on gate_up and down, and the best tiles per shape won 1-7% on the
@@ -109,6 +111,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     x0 = tl.load(x_ptr + rk, mask=rk < full, other=0.0)
     if LOW_RANK:  # h's partials in flight beside x's first tile, summed at once: no load left for the epilogue
         l_h = tl.sum(tl.load(l_h_ptrs, mask=l_h_mask, other=0.0), axis=1)
+        # the delta now, so only [BLOCK_N] of it lives through the K loop: h and B held there took
+        # 168 registers a thread against 128, 6 programs an SM instead of 8 (scripts/gemv_regs.py)
+        l_delta = tl.sum(l_h * l_b, axis=1)
     # explicit FMAs: the same sums whether or not the launch lets the compiler contract (ROPE's does not)
     acc = w.to(tl.float32) * x0.to(tl.float32)[None, :]
     for k in range(BLOCK_K, full, BLOCK_K):
@@ -126,7 +131,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     dtype = y_ptr.dtype.element_ty
     y = y.to(dtype).to(tl.float32)  # rounded as the matmul's output
     if LOW_RANK:  # then the adapter's delta, rounded once more as the in-place expand rounds
-        y = (y + tl.sum(l_h * l_b, axis=1)).to(dtype).to(tl.float32)
+        y = (y + l_delta).to(dtype).to(tl.float32)
     if SILU_MUL:
         # gate_up rounded as the matmul's output is, then fused.silu_and_mul's two roundings
         gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
