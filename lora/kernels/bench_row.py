@@ -19,7 +19,9 @@ some parts' outputs are wrong): `full` as the engine runs it; `epilogue` the GEM
 term (B and h loaded, the FMAs) but no shrink kernel (h a zeroed buffer made before the
 capture); `shrink` the shrink kernels on the chain but GEMVs without the term;
 `no-<module>` no adapter on that one module. `--max-running` builds the engine with graphs to
-that many rows, as bench_lora's (512) are.
+that many rows, as bench_lora's (512) are. `--gemv-from F` adds the part `gemv-from-file`:
+`full` with the skinny GEMV kernel of the file F (`git show REV:rollout/kernels/skinny.py >
+F`), so a kernel change is timed before and after in one call.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
                     help="BLOCK_K:num_warps of the one-row shrink")
     ap.add_argument("--parts", action="store_true", help="split the adapter's cost: full / epilogue / shrink")
     ap.add_argument("--max-running", type=int, default=1, help="max_running_requests and cuda_graph_max_bs")
+    ap.add_argument("--gemv-from", default=None, help="with --parts: also time the skinny GEMV kernel of this file")
     args = ap.parse_args()
     from lora.kernels import row
     from rollout import Engine, EngineConfig, SamplingParams
@@ -87,12 +90,12 @@ def main() -> None:
             engine.step()
         return wall, replay
 
-    variants = PARTS if args.parts else args.shapes
+    variants = (PARTS + (["gemv-from-file"] if args.gemv_from else [])) if args.parts else args.shapes
     results: dict[str, dict[str, list[float]]] = {}
     for r in range(args.rounds):
         for shape in (variants if r % 2 == 0 else list(reversed(variants))):
             if args.parts:
-                _set_part(runner.lora, shape)
+                _set_part(runner.lora, shape, args.gemv_from)
             else:
                 block_k, warps = (int(v) for v in shape.split(":"))
                 row.BLOCK_K, row.NUM_WARPS = block_k, warps
@@ -118,13 +121,28 @@ def main() -> None:
 
 PARTS = ["full", "epilogue", "shrink", "no-qkv_proj", "no-o_proj", "no-gate_up_proj", "no-down_proj"]
 _REAL_ONE_ROW = None
+_GEMV: dict[str, object] = {}  # "now": the skinny module's kernel; "file": --gemv-from's
 
 
-def _set_part(pool, part: str) -> None:
-    """Swap LoraHook.one_row for the part timed next (the graphs are re-captured after it).
-    epilogue: h is a zeroed buffer made here, before the capture (so no fill is captured)."""
+def _load_module(path: str):
+    """A copy of a module from a file, under its own name (a dataclass needs it in sys.modules)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_row_gemv_from_file", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _set_part(pool, part: str, gemv_from: str | None = None) -> None:
+    """Swap LoraHook.one_row (and the GEMV kernel) for the part timed next (the graphs are
+    re-captured after it). epilogue: h is a zeroed buffer made here, before the capture (so
+    no fill is captured)."""
     from lora.hook import LoraHook
     from lora.kernels.row import splits
+    from rollout.kernels import skinny
     from rollout.kernels.low_rank import LowRank, OneRow
 
     global _REAL_ONE_ROW
@@ -152,7 +170,11 @@ def _set_part(pool, part: str) -> None:
             return real(self, x)
         return one_row
 
-    fns = {"full": real, "epilogue": epilogue, "shrink": shrink}
+    _GEMV.setdefault("now", skinny._gemv_kernel)
+    if gemv_from and "file" not in _GEMV:
+        _GEMV["file"] = _load_module(gemv_from)._gemv_kernel
+    skinny._gemv_kernel = _GEMV["file" if part == "gemv-from-file" else "now"]  # _launch reads the global
+    fns = {"full": real, "gemv-from-file": real, "epilogue": epilogue, "shrink": shrink}
     LoraHook.one_row = fns[part] if part in fns else without(part[3:])
 
 
