@@ -24,6 +24,7 @@ import triton
 REGS_PER_SM = 65536
 MAX_PROGRAMS_PER_SM = 32
 THREADS_PER_SM = 2048
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,10 @@ def cubin(form: Form, low_rank: bool, max_rank: int = 16) -> bytes:
 
 def registers(form: Form, low_rank: bool) -> int:
     """Registers a thread, as cuobjdump reads them from the compiled kernel."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin(form, low_rank))
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     return int(re.search(r"REG:(\d+)", out).group(1))
 
 

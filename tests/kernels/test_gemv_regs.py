@@ -14,12 +14,13 @@ import sys
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
-if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-    pytest.skip("triton's nvidia backend (cuobjdump) is not installed", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
 
 from rollout.kernels import skinny  # noqa: E402
-from scripts.gemv_regs import FORMS, programs_per_sm  # noqa: E402
+from scripts.gemv_regs import CUOBJDUMP, FORMS, programs_per_sm  # noqa: E402
+
+if not os.path.exists(CUOBJDUMP):
+    pytest.skip("triton's nvidia backend (cuobjdump) is not installed", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
