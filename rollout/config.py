@@ -83,6 +83,12 @@ class EngineConfig:
     # survive a weight update (rollouts of the previous policy still draft well in RL)
     speculative_history_tokens: int = 4_000_000
     speculative_keep_history_on_update: bool = True
+    # "ngram" / "suffix": verify a draft tree of up to this many nodes a request (several
+    # continuations where earlier rollouts branch, speculative/tree.py) instead of a chain, in
+    # steps whose rows the attention can take as per-row KV slot lists (the torch and Triton
+    # backends; with FlashInfer, the decode graphs of up to rollout.attention.SMALL_DECODE_ROWS
+    # rows); 0: chains
+    speculative_tree_nodes: int = 0
     # measure steps with drafting on and off and keep it off while plain decoding is faster
     # (speculative/governor.py); False: always draft (benchmarks of raw speculation)
     speculative_governor: bool = True
@@ -156,6 +162,10 @@ class EngineConfig:
         check_int(self.speculative_history_tokens, f + "speculative_history_tokens", min=0)
         check_bool(self.speculative_keep_history_on_update, f + "speculative_keep_history_on_update")
         check_bool(self.speculative_governor, f + "speculative_governor")
+        check_int(self.speculative_tree_nodes, f + "speculative_tree_nodes", min=0, max=64)
+        if self.speculative_tree_nodes and self.speculative not in ("ngram", "suffix"):
+            raise ValueError(f"{f}speculative_tree_nodes={self.speculative_tree_nodes} with speculative="
+                             f"{self.speculative!r}: draft trees are grown by the 'ngram' and 'suffix' drafters")
         check_bool(self.deterministic, f + "deterministic")
         if self.deterministic and self.attention != "auto":
             raise ValueError(f"{f}attention={self.attention!r} with deterministic=True: deterministic mode uses its "

@@ -62,6 +62,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.outputs = Outputs(self.tokenizer, self.eos_token_ids, self.context_len)
         self.draft = parts.draft  # speculative="draft": the draft model's runner
         self.drafter = make_drafter(config, self.context_len, self.draft)
+        if self.drafter is not None:
+            self.drafter.tree_rows = self.runner.tree_rows_max  # (graphs come and go with sleep)
         # json_schema / regex / grammar requests; xgrammar is loaded at the first one
         self.structured = StructuredOutput(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,

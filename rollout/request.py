@@ -148,6 +148,9 @@ class Req:
     # Speculative decoding: tokens proposed for this step (verified by the target, then
     # cleared), and this request's current draft length (adapted to its acceptance).
     draft_tokens: list[int] = field(default_factory=list)
+    # a draft tree (speculative/tree.py): each draft's parent among the drafts, -1 for a child of
+    # the last known token, parents first; None: the drafts are a chain
+    draft_parents: list[int] | None = None
     spec_k: int = -1  # -1: not started (the engine's num_speculative_tokens)
     spec_pause: int = 0  # steps left before drafting again (after drafts kept failing)
 
@@ -184,6 +187,17 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def clear_drafts(self) -> None:
+        self.draft_tokens = []
+        self.draft_parents = None
+
+    def draft_depths(self) -> list[int]:
+        """Each draft's depth below the last known token (1 for its children): its offset
+        from the first drafted position. A chain's drafts sit at 1..k."""
+        if self.draft_parents is None:
+            return list(range(1, len(self.draft_tokens) + 1))
+        return tree_depths(self.draft_parents)
+
     def append_token(self, token: int, logprob: float, top: list[tuple[int, float]] | None, version: int) -> None:
         idx = len(self.output_ids)
         self.output_ids.append(token)
@@ -193,6 +207,15 @@ class Req:
         _extend_spans(self.version_spans, version, idx)
         if self.lora_name is not None:
             _extend_spans(self.lora_version_spans, self.lora_version, idx)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a draft tree given its parents (parents first; -1: the root's
+    child, depth 1)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
 
 
 def _extend_spans(spans: list[tuple[int, int, int]], version: int, idx: int) -> None:

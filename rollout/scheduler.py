@@ -107,7 +107,7 @@ class Scheduler:
 
     def retract(self, req: Req, *, keep_kv: bool = True) -> None:
         self.running.remove(req)
-        req.draft_tokens = []  # proposed for a step it no longer runs in
+        req.clear_drafts()  # proposed for a step it no longer runs in
         self._release(req, cache=keep_kv)
         self.waiting.appendleft(req)
 
@@ -138,7 +138,7 @@ class Scheduler:
             if req.draft_tokens:  # verify: the last token and the k drafts, whole or not at all
                 if need != 1 or 1 + len(req.draft_tokens) > budget or not self.kv.extend(
                         req, req.num_computed_tokens + 1 + len(req.draft_tokens)):
-                    req.draft_tokens = []  # short of budget or memory: a plain decode this step
+                    req.clear_drafts()  # short of budget or memory: a plain decode this step
                 else:
                     need = 1 + len(req.draft_tokens)
             n = 1 if need == 1 else min(need, budget)
@@ -163,6 +163,8 @@ class Scheduler:
             budget = self._admit(budget, decodes, extends)
         if not decodes and not extends:
             return None
+        if any(not r.draft_tokens for r, _ in extends):
+            self._trees_to_chains(extends)
         chosen = decodes + extends
         return ScheduledBatch(
             reqs=[r for r, _ in chosen],
@@ -170,6 +172,20 @@ class Scheduler:
             num_decode=len(decodes),
             retracted=retracted,
         )
+
+    def _trees_to_chains(self, extends: list[tuple[Req, int]]) -> None:
+        """A step with prefill work may run in the extend layout, where each request attends
+        causally over its positions: a draft tree's nodes would see their siblings there. Its
+        trees keep their leading chain (a tree drafter grows its chain first) and give back
+        the other nodes' KV."""
+        for i, (req, n) in enumerate(extends):
+            if req.draft_parents is None:
+                continue
+            chain = next((j for j, p in enumerate(req.draft_parents) if p != j - 1), len(req.draft_parents))
+            req.draft_tokens = req.draft_tokens[:chain]
+            req.draft_parents = None
+            self.kv.truncate(req, req.num_computed_tokens + 1 + chain)
+            extends[i] = (req, 1 + chain)
 
     def _admit(self, budget: int, decodes: list[tuple[Req, int]], extends: list[tuple[Req, int]]) -> int:
         # Leave room for every running request's next token, so admission does not force

@@ -252,6 +252,17 @@ def gpu(args) -> None:
         drafter.governor = None
         return drafter
 
+    class FixedTree(FixedDrafter):  # a tree of `tree_nodes` nodes every step: a chain of k, then children along it
+        def propose_tree(self, req, depth, nodes):
+            chain = min(depth, nodes)
+            return [1] * nodes, [i - 1 if i < chain else (i - chain) % chain - 1 for i in range(nodes)]
+
+    def tree(k: int, nodes: int) -> FixedTree:
+        drafter = FixedTree(k, 10_000)
+        drafter.governor = None
+        drafter.tree_nodes, drafter.tree_rows = nodes, engine.runner.tree_rows_max
+        return drafter
+
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def step_ms(engine, prompts, new: int = args.new_gpu) -> float:
@@ -293,6 +304,18 @@ def gpu(args) -> None:
         table[batch] = [overlap, *times[1:]]  # speedups are against plain decoding as it runs: overlap on
         print(f"{batch:>5} | {overlap:>6.2f}/{times[0]:<6.2f} | "
               + " | ".join(f"{t:>6.2f}/{e:<6.2f}" for t, e in zip(times[1:], eager)))
+    if args.tree_nodes:  # verify steps of draft trees (depth <= max_k), against the chains above
+        print(f"\ndraft trees, depth <= {args.max_k}: ms per verify step (nodes: ms)")
+        engine.runner.verify_rows_max = None  # (the extend-layout column above left it at 0)
+        for batch in batches:
+            cells = []
+            for nodes in args.tree_nodes:
+                engine.drafter = engine.loop.drafter = drafter = tree(args.max_k, nodes)
+                rows = batch * (1 + nodes)
+                ms = step_ms(engine, prompts[batch]) if batch + batch * nodes <= drafter.tree_rows() else float("nan")
+                cells.append(f"{nodes}: {ms:.2f} ({rows} rows)")
+            print(f"{batch:>5} | " + " | ".join(cells))
+        engine.drafter = engine.loop.drafter = None
     print("\nspeedup over plain decoding (overlap on) at a mean accepted length a per verify, best k:")
     print(f"{'batch':>5} | " + " | ".join(f"a={a:<4}" for a in args.accepted))
     for batch, times in table.items():
@@ -365,6 +388,11 @@ def main() -> None:
                         help="--grpo-epochs: samples run alone at the start of each later epoch (the batch-1 trace)")
     parser.add_argument("--batch1-epochs", type=int, default=1, help="--grpo-epochs: epochs (from the second) traced")
     parser.add_argument("--batch1-k", type=int, nargs="*", help="--grpo-epochs: the trace's draft limits (default: --k)")
+    parser.add_argument("--batch1-tree", type=int, nargs="*", metavar="N",
+                        help="--grpo-epochs: also trace draft trees of at most N nodes (0: chains) at each --batch1-k "
+                             "depth, their path chosen as tree verification would (rollout/bench/spec_tree.py)")
+    parser.add_argument("--batch1-fixed", action="store_true",
+                        help="--grpo-epochs: also trace the chains with draft lengths held at k (no adaptation)")
     parser.add_argument("--k", type=int, default=4, help="--grpo-epochs: num_speculative_tokens")
     parser.add_argument("--governor", choices=("off", "on"), default="off",
                         help="--grpo-epochs: off drafts every step (the drafts' own acceptance)")
@@ -378,6 +406,8 @@ def main() -> None:
     parser.add_argument("--new-gpu", type=int, default=33, help="--gpu: tokens per timed request")
     parser.add_argument("--draft-shape", default="draft06b")
     parser.add_argument("--max-k", type=int, default=4, help="--gpu: verify k = 1..this many drafts")
+    parser.add_argument("--tree-nodes", type=int, nargs="*", metavar="N",
+                        help="--gpu: also time verify steps of draft trees of N nodes (depth <= --max-k)")
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="--gpu: leave out the extend-layout column")
     parser.add_argument("--no-draft-model", dest="draft_model", action="store_false",
                         help="--gpu: leave out the 0.6B draft model's table")

@@ -52,6 +52,7 @@ def make_drafter(config: EngineConfig, context_len: int, draft: DraftRunner | No
 
         drafter = SuffixDrafter(config.num_speculative_tokens, context_len, config.speculative_history_tokens,
                                 keep_on_update=config.speculative_keep_history_on_update)
+    drafter.tree_nodes = config.speculative_tree_nodes
     if not config.speculative_governor:
         drafter.governor = None
     elif config.overlap_plain:  # steps that do not draft are overlapped: probe in blocks

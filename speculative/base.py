@@ -14,6 +14,7 @@ rejected positions).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from rollout.request import Req
 from speculative.governor import SpeedGovernor
@@ -27,6 +28,11 @@ class Drafter(ABC):
         self.max_tokens = max_tokens
         self.context_len = context_len
         self.governor: SpeedGovernor | None = SpeedGovernor()  # None: always draft
+        # draft trees (speculative/tree.py) of at most this many nodes where the drafter grows
+        # them (0: chains), in steps whose verify rows fit `tree_rows()`: the rows the engine's
+        # attention can take as per-row KV slot lists (ModelRunner.tree_rows_max)
+        self.tree_nodes = 0
+        self.tree_rows: Callable[[], int] = lambda: 0
         self._look_at = 0  # where the next look for drafts starts among the running requests
 
     @property
@@ -42,7 +48,7 @@ class Drafter(ABC):
     def propose_all(self, running: list[Req]) -> None:
         """Set `draft_tokens` on every running request that is decoding this step."""
         for req in running:
-            req.draft_tokens = []
+            req.clear_drafts()
         if self.governor is not None and not self.governor.drafting:
             if self.governor.check_due():
                 self.governor.looked(*self.look(running), len(running))
@@ -64,6 +70,18 @@ class Drafter(ABC):
                     self.context_len - req.known_len - 1)
             if k > 0:
                 wanted.append((req, k))
+        # trees where the step's rows stay within what the attention takes as slot lists: every
+        # running request a row, the drafting ones `tree_nodes` more
+        if self.tree_nodes and wanted and len(running) + len(wanted) * self.tree_nodes <= self.tree_rows():
+            for req, k in wanted:
+                if req.grammar is not None:  # a grammar trims chains only (step.py)
+                    req.draft_tokens = self.propose(req, k)[:k]
+                    continue
+                nodes = min(self.tree_nodes, self.context_len - req.known_len - 1)
+                tokens, parents = self.propose_tree(req, k, nodes)
+                req.draft_tokens = tokens
+                req.draft_parents = None if parents == list(range(-1, len(parents) - 1)) else parents
+            return
         for (req, k), drafts in zip(wanted, self.propose_batch(wanted)):
             req.draft_tokens = drafts[:k]
 
@@ -100,6 +118,12 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, req: Req, k: int) -> list[int]:
         """Up to k tokens that may follow `req.all_ids` (empty: no guess)."""
+
+    def propose_tree(self, req: Req, depth: int, nodes: int) -> tuple[list[int], list[int]]:
+        """A draft tree of at most `nodes` nodes and `depth` levels: (tokens, parents), parents
+        first (-1: a child of the last known token). A drafter without trees drafts a chain."""
+        tokens = self.propose(req, min(depth, nodes))
+        return tokens, list(range(-1, len(tokens) - 1))
 
     def observe_speed(self, seconds: float, tokens: int, decode_only: bool = True, verified: bool | None = None,
                       share: float | None = None) -> None:

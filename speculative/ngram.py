@@ -15,6 +15,7 @@ from rollout.request import Req
 from speculative.base import Drafter
 from speculative.choice import DraftSpec, walk
 from speculative.index import ContinuationIndex
+from speculative.tree import build
 
 MAX_N, MIN_N = 4, 2
 
@@ -62,6 +63,11 @@ class NgramDrafter(Drafter):
 
     def propose(self, req: Req, k: int) -> list[int]:
         return walk(self.index_of(req), last_tokens(req, self.max_n), k, self.min_n, draft_spec(req, self.coupled))
+
+    def propose_tree(self, req: Req, depth: int, nodes: int) -> tuple[list[int], list[int]]:
+        tree = build(self.index_of(req), last_tokens(req, self.max_n), depth, nodes, self.min_n,
+                     draft_spec(req, self.coupled))
+        return tree.tokens, tree.parents
 
     def may_draft_next(self, req: Req) -> bool:
         return self.index_of(req).may_match_after(last_tokens(req, self.min_n - 1), self.min_n)

@@ -18,6 +18,7 @@ from speculative.base import Drafter
 from speculative.choice import walk
 from speculative.groups import History, PromptGroup
 from speculative.ngram import draft_spec, last_tokens
+from speculative.tree import build
 
 MAX_MATCH = 8
 MIN_MATCH = 2
@@ -56,6 +57,12 @@ class SuffixDrafter(Drafter):
         group = self._group_of(req)
         group.sync(req)
         return walk(group.index, last_tokens(req, MAX_MATCH), k, MIN_MATCH, draft_spec(req, self.coupled))
+
+    def propose_tree(self, req: Req, depth: int, nodes: int) -> tuple[list[int], list[int]]:
+        group = self._group_of(req)
+        group.sync(req)
+        tree = build(group.index, last_tokens(req, MAX_MATCH), depth, nodes, MIN_MATCH, draft_spec(req, self.coupled))
+        return tree.tokens, tree.parents
 
     def may_draft_next(self, req: Req) -> bool:
         group = self._group_of(req)

@@ -25,6 +25,9 @@ class AttentionBackend(ABC):
     # Can its kernels run inside a CUDA graph: do they read only device tensors (at
     # addresses fixed by plan_capture) once captured, with no host-side decisions per step?
     graphable = False
+    # Does it attend each decode row over its own list of KV slots, in any order (a draft tree
+    # node's: the context, its ancestors, itself), rather than by pages in position order?
+    slot_lists = False
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.pool = pool

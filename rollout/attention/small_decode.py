@@ -35,6 +35,9 @@ class SmallDecode(AttentionBackend):
         self.main, self.small, self.max_rows = main, small, max_rows
         self.name = f"{main.name}+{small.name}"  # e.g. "flashinfer+triton"
         self.active = main
+        # draft tree rows attend with small: eagerly always (plan), in graphs of at most
+        # max_rows rows (the runner's tree_rows_max keeps them there)
+        self.slot_lists = small.slot_lists
 
     def _for(self, batch: ForwardBatch, bs: int) -> AttentionBackend:
         # steps with shared-prefix groups attend with the backend that reads a prefix once
@@ -51,7 +54,8 @@ class SmallDecode(AttentionBackend):
     # self.batch stays unset: forward() is the active backend's, which holds its own plan
     def plan(self, batch: ForwardBatch) -> None:
         # eager steps: the main backend whatever their size, but for shared-prefix groups
-        self.active = self.small if batch.shared is not None and self.small.shared_prefix_rows() else self.main
+        shared = batch.shared is not None and self.small.shared_prefix_rows()
+        self.active = self.small if shared or batch.slot_rows else self.main
         self.active.plan(batch)
 
     def plan_capture(self, batch: ForwardBatch, max_context: int) -> None:

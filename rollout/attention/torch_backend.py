@@ -26,6 +26,7 @@ _MAX_LENGTH_GROUPS = 4  # above this many distinct decode lengths, one masked ba
 
 class TorchAttention(AttentionBackend):
     name = "torch"
+    slot_lists = True
 
     def plan(self, batch: ForwardBatch) -> None:
         super().plan(batch)

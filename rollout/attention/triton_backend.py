@@ -18,6 +18,7 @@ from rollout.model.forward_batch import ForwardBatch
 class TritonAttention(AttentionBackend):
     name = "triton"
     graphable = True  # kernels read only device tensors once the split count is fixed
+    slot_lists = True  # the kernels read K/V by slot
 
     def shared_prefix_rows(self) -> int:
         k = self.pool.k_buffers[0]

@@ -53,6 +53,41 @@ def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: in
     return decode_steps * decode / cost if cost else 1.0
 
 
+# H200, batch-1 verify steps of draft trees (`bench_spec --gpu --batches 1 4 --max-k 8 --tree-nodes 8
+# 16 24 32 47`, 2026-12-06, session 16; BENCHMARKS.md "draft trees"): rows -> ms. The same call's
+# chain of 8 drafts took 5.53 ms and its decode 4.36 / 5.08 ms (overlap on / off).
+H200_TREE_MS: dict[int, float] = {9: 5.63, 17: 6.03, 25: 6.06, 33: 6.49, 48: 6.52}
+
+
+def verify_ms(rows: int) -> float:
+    """A batch-1 verify step of `rows` rows (1 + drafts, or 1 + tree nodes): the chain table
+    up to its widest, then the tree table (linear between its measured widths); NaN past the
+    widest measured (48 rows: also the most a tree step may have with FlashInfer's graphs)."""
+    verify = H200_STEP_MS[1][1]
+    if rows - 1 <= len(verify):
+        return verify[rows - 2]
+    widths = sorted(H200_TREE_MS)
+    if rows > widths[-1]:
+        return float("nan")
+    hi = next(w for w in widths if w >= rows)
+    lo = max(w for w in widths if w <= rows)
+    if hi == lo:
+        return H200_TREE_MS[lo]
+    t = (rows - lo) / (hi - lo)
+    return (1 - t) * H200_TREE_MS[lo] + t * H200_TREE_MS[hi]
+
+
+def tree_trace_speedup(steps: list[tuple[int, int]] | tuple, plain_steps: int, decode_steps: int,
+                       overlap_plain: bool) -> float:
+    """H200 batch-1 decode speedup from a tree trace (spec_tree.py): each (nodes, accepted)
+    step a verify of 1 + nodes rows, each step without a tree a decode step with overlap on
+    or off; against plain decoding (overlap on) for the same tokens."""
+    decode = H200_STEP_MS[1][0]
+    plain = decode if overlap_plain else H200_DECODE_NO_OVERLAP_MS[1]
+    cost = sum(verify_ms(1 + n) for n, _ in steps) + plain_steps * plain
+    return decode_steps * decode / cost if cost else 1.0
+
+
 def _table_speedup(accepted: float, batch: int) -> float:
     decode, verify = H200_STEP_MS[batch]
     return max((1 + min(accepted, k)) * decode / ms for k, ms in enumerate(verify, start=1))

@@ -39,7 +39,9 @@ def grpo_epochs(args) -> None:
     H200; on this CPU, compute-bound at 64 rows, the engine's governor (--governor on) would
     mostly turn drafting off, and its acceptance would say little about a GPU."""
     from rollout import Engine, EngineConfig, SamplingParams
-    from rollout.bench.spec import batch1_trace_speedup, projected_speedup
+    from rollout.bench.spec import batch1_trace_speedup, projected_speedup, tree_trace_speedup
+    from rollout.bench.spec_tree import batch1_tree_trace
+    from rollout.bench.spec_tree import summary as tree_summary
     from rollout.model.fetch import fetch_default_model
     from rollout.rl import ArithmeticTask, Epochs, GRPOConfig, GRPOTrainer, load_policy
     from rollout.rl.grpo import sample_seed
@@ -62,11 +64,19 @@ def grpo_epochs(args) -> None:
     engine.generate = keep_outputs
     rows = []
     traces = []
+    tree_traces = []
     for step in range(args.epochs * steps_per_epoch):
         if step % steps_per_epoch == 0 and 0 < step // steps_per_epoch <= args.batch1_epochs:
             for k in args.batch1_k or [args.k]:
-                traces.append(_batch1_trace(engine, generate, task, step, step // steps_per_epoch + 1, args.new,
-                                            args.batch1_samples, k))
+                for adapt in (True, False) if args.batch1_fixed else (True,):
+                    traces.append(_batch1_trace(engine, generate, task, step, step // steps_per_epoch + 1, args.new,
+                                                args.batch1_samples, k, adapt))
+                    print(f"  chain trace k <= {k}, adapt {adapt}: {len(traces[-1].verifies)} verifies, "
+                          f"{traces[-1].accepted} accepted, {traces[-1].plain_steps} steps without drafts", flush=True)
+                for nodes in args.batch1_tree or []:
+                    tree_traces.append(batch1_tree_trace(engine, generate, task, step, step // steps_per_epoch + 1,
+                                                         args.new, args.batch1_samples, k, nodes))
+                    print("  " + tree_summary(tree_traces[-1]), flush=True)
         problems = task.problems(step, config.prompts_per_step)
         prompts = [task.prompt_ids(p, engine.tokenizer) for p in problems]
         params = [SamplingParams(temperature=1.0, max_new_tokens=args.new, n=8, seed=sample_seed(0, step, i))
@@ -110,13 +120,18 @@ def grpo_epochs(args) -> None:
               f"{projected_speedup(s, 1):.2f}x / {projected_speedup(s, 64):.2f}x")
     for t in traces:
         a = t.accepted / max(len(t.verifies), 1)
-        print(f"\nbatch 1 at the start of epoch {t.epoch}, k <= {t.k}: {t.samples} samples alone, {t.tokens} tokens after the first, "
+        held = "" if t.adapt else " (draft lengths held at k)"
+        print(f"\nbatch 1 at the start of epoch {t.epoch}, k <= {t.k}{held}: {t.samples} samples alone, {t.tokens} tokens after the first, "
               f"{len(t.verifies)} verify steps ({a:.2f} accepted each, drafts {sum(t.verifies)}, accepted {t.accepted}) "
               f"+ {t.plain_steps} steps without drafts = {len(t.verifies) + t.plain_steps} steps against {t.tokens}: "
               f"{t.tokens / max(len(t.verifies) + t.plain_steps, 1):.2f} tokens a step; H200 batch-1 decode speedup from "
               f"the step trace: {batch1_trace_speedup(list(t.verifies), t.plain_steps, t.tokens):.2f}x without "
               f"overlap in them; {t.overlapped} of them overlapped, {t.drains} drains: "
               f"{batch1_trace_speedup(list(t.verifies), t.plain_steps, t.tokens, t.overlapped, t.drains + t.samples):.2f}x")
+    for t in tree_traces:
+        print(f"\n{tree_summary(t)}; H200 batch-1 decode speedup (steps without a tree overlapped / not): "
+              f"{tree_trace_speedup(t.steps, t.plain_steps, t.tokens, True):.2f}x / "
+              f"{tree_trace_speedup(t.steps, t.plain_steps, t.tokens, False):.2f}x")
     print("\nper epoch (its steps summed):")
     for epoch in sorted({r.epoch for r in rows}):
         mine = [r for r in rows if r.epoch == epoch]
@@ -142,14 +157,18 @@ class Batch1Trace:
     verifies: tuple[int, ...]  # drafts checked by each verify step
     accepted: int
     plain_steps: int  # steps that drafted nothing
+    adapt: bool  # draft lengths adapted to acceptance (the drafter's policy), else held at k
     overlapped: int = 0  # ... of those, steps that ran overlapped (overlap forced on, as on CUDA)
     drains: int = 0  # steps that waited for an overlapped step before drafting
 
 
-def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, samples: int, k: int) -> Batch1Trace:
+def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, samples: int, k: int,
+                  adapt: bool = True) -> Batch1Trace:
     """Batch 1 at the start of an epoch: the step's first samples, each alone (no running
     siblings), drafting from a copy of the history (earlier epochs only; the real one is left
-    as it was). Each engine step is then one request's, and its drafts say what it cost."""
+    as it was). Each engine step is then one request's, and its drafts say what it cost.
+    adapt=False holds every request's draft length at k (no shrinking, no pause after
+    rejections)."""
     from rollout import SamplingParams
     from rollout.rl.grpo import sample_seed
 
@@ -161,7 +180,8 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
 
     def record(req, drafted, accepted):
         verifies.append(drafted)
-        inner(req, drafted, accepted)
+        if adapt:
+            inner(req, drafted, accepted)
 
     trial.observe_step = record
     overlap_plain, engine.loop.overlap_plain = engine.loop.overlap_plain, True  # as CUDA runs it
@@ -180,5 +200,5 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
     engine.loop.overlap_plain = overlap_plain
     c = engine.counters
     plain = tokens - accepted - len(verifies)  # each verify emits its accepted drafts + 1
-    return Batch1Trace(epoch, k, samples, tokens, tuple(verifies), accepted, plain,
+    return Batch1Trace(epoch, k, samples, tokens, tuple(verifies), accepted, plain, adapt,
                        c.spec_overlapped_steps - counted.spec_overlapped_steps, c.spec_drains - counted.spec_drains)

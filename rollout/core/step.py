@@ -22,7 +22,7 @@ from rollout.cache.manager import KVManager
 from rollout.core.outputs import Outputs
 from rollout.metrics import Counters
 from rollout.model.runner import ModelRunner
-from rollout.request import Req, RolloutOutput
+from rollout.request import Req, RolloutOutput, tree_depths
 from rollout.sampling import SamplingBatch, sample
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.structured.bitmask import TokenMask
@@ -44,6 +44,7 @@ class Forwarded:
     drafts: list[list[int]]  # the drafts each request verifies (its rows are 1 + len(drafts))
     pool_rows: list[int]  # each request's row in the request table (taken before a read back frees it)
     version: int
+    trees: list[list[int] | None]  # each request's draft parents (None: a chain)
 
     @property
     def constrained(self) -> bool:
@@ -61,6 +62,7 @@ class Launched:
     event: torch.cuda.Event | None  # set when the copy to pinned host memory is done
     top_k: int
     version: int  # weight version that produced these tokens
+    trees: list[list[int] | None]  # draft parents of each request's drafts (None: a chain)
 
 
 class StepLoop:
@@ -162,18 +164,20 @@ class StepLoop:
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
         return Forwarded(logits, samplers, [list(r.draft_tokens) for r in samplers],
-                         [r.req_pool_idx for r in samplers], version)
+                         [r.req_pool_idx for r in samplers], version, [r.draft_parents for r in samplers])
 
     def sample(self, forwarded: Forwarded) -> Launched:
         """Sample a forwarded batch (under its grammars' masks); results stay on the device."""
         logits, samplers, drafts, version = forwarded.logits, forwarded.reqs, forwarded.drafts, forwarded.version
         if not samplers:
-            return Launched([], None, [], None, 0, version)
+            return Launched([], None, [], None, 0, version, [])
         # one sampling row per position drawn: a request verifying k drafts draws k + 1 tokens,
         # each with the noise of its own position, so what it emits is exactly what plain
         # decoding would have drawn there (drafts are proposals, accepted where they agree)
+        # (a tree node's position is its depth below the request's last token)
         row_reqs = [r for r, d in zip(samplers, drafts) for _ in range(1 + len(d))]
-        offsets = [j for d in drafts for j in range(1 + len(d))]
+        offsets = [j for d, tree in zip(drafts, forwarded.trees)
+                   for j in [0, *(range(1, 1 + len(d)) if tree is None else tree_depths(tree))]]
         mask = self._token_mask(forwarded, logits.device) if forwarded.constrained else None
         res = sample(logits, SamplingBatch.from_reqs(row_reqs, self.vocab_size, logits.device,
                                                      offsets if len(row_reqs) > len(samplers) else None), mask)
@@ -196,7 +200,7 @@ class StepLoop:
             event = torch.cuda.Event()
             event.record()
             packed = host
-        return Launched(samplers, packed, drafts, event, k, version)
+        return Launched(samplers, packed, drafts, event, k, version, forwarded.trees)
 
     def _token_mask(self, forwarded: Forwarded, device: torch.device) -> TokenMask | None:
         """The grammar mask of this step's constrained rows (their matchers have seen every
@@ -246,25 +250,32 @@ class StepLoop:
         k = launched.top_k
         finished = []
         at = 0  # the first row of the next request
-        for req, drafts in zip(launched.reqs, launched.drafts):
+        for req, drafts, tree in zip(launched.reqs, launched.drafts, launched.trees):
             rows, at = packed[at : at + 1 + len(drafts)], at + 1 + len(drafts)
             req.num_inflight -= 1
-            req.draft_tokens = []
+            req.clear_drafts()
             if req.finished:
                 continue  # finished or aborted while this token was in flight: dropped
-            emitted = 0
-            for j, row in enumerate(rows):
+            # row 0 draws after the last known token; a draft's row draws after that draft. The
+            # run follows the drafts the draws equal: a chain's next, or the matching child
+            path: list[int] = []  # the accepted drafts' indices
+            node = -1
+            while True:
+                row = rows[node + 1]
                 token = int(row[0])
                 req.append_token(token, *self._logprobs(req, row, k), launched.version)
-                emitted += 1
                 self.counters.generated_tokens += 1
                 done = self.outputs.check_finish(req, token)
                 if req.grammar is not None and req.grammar.accept(token):
                     req.finish_reason, done = "stop", True  # the grammar is complete (its stop token accepted)
-                if done or j == len(drafts) or token != drafts[j]:
-                    break  # finished, or the first token that differs from its draft ends the run
+                node = _next_draft(drafts, tree, node, token) if not done else None
+                if node is None:
+                    break  # finished, or no draft is the token drawn: the run ends
+                path.append(node)
             if drafts:
-                self._settle_drafts(req, len(drafts), emitted)
+                if tree is not None:
+                    self._compact_path(req, len(drafts), path)
+                self._settle_drafts(req, len(drafts), 1 + len(path), max(tree_depths(tree)) if tree else len(drafts))
             if req.finished:
                 self.scheduler.remove(req)
                 self.counters.finished_requests += 1
@@ -285,10 +296,23 @@ class StepLoop:
             top = [(int(t), v) for t, v in zip(ids, vals)][: req.params.top_logprobs]
         return lp, top
 
-    def _settle_drafts(self, req: Req, num_drafts: int, emitted: int) -> None:
+    def _compact_path(self, req: Req, num_drafts: int, path: list[int]) -> None:
+        """A tree's accepted drafts into position order: draft i's K/V was stored at the slot
+        of position start + 1 + i (runner._prepare_rows), and the j-th accepted one belongs
+        at start + 1 + j. A parent precedes its children, so path[j] >= j: no move overwrites
+        a slot a later one reads (and copy_slots reads all its sources first)."""
+        moves = [(i, j) for j, i in enumerate(path) if i != j]
+        if not moves:
+            return
+        start = req.num_computed_tokens - 1 - num_drafts  # the step computed start .. start + num_drafts
+        row = self.kv.table[req.req_pool_idx]
+        self.kv.pool.copy_slots(row[[start + 1 + i for i, _ in moves]], row[[start + 1 + j for _, j in moves]])
+
+    def _settle_drafts(self, req: Req, num_drafts: int, emitted: int, depth: int | None = None) -> None:
         """KV rollback: the step computed the last token and every draft; only the KV of the
         last token and of the accepted drafts is kept (the rest is never cached or reused),
-        and whole pages past it go back to the allocator."""
+        and whole pages past it go back to the allocator. `depth`: the drafts' depth (a tree's
+        deepest level; a chain's length), what the draft length policy compares with."""
         rejected = num_drafts + 1 - emitted
         req.num_computed_tokens -= rejected
         self.kv.truncate(req, req.num_computed_tokens)
@@ -296,7 +320,7 @@ class StepLoop:
         self.counters.accepted_tokens += emitted - 1
         self.counters.verify_steps += 1
         if self.drafter is not None:
-            self.drafter.observe_step(req, num_drafts, emitted - 1)
+            self.drafter.observe_step(req, num_drafts if depth is None else depth, emitted - 1)
 
     def _note_admission(self, req: Req) -> None:
         """A request's first admission (by the scheduler or a fork): how much of its prompt
@@ -331,6 +355,14 @@ class StepLoop:
                     out.append(follower)
             leader.followers = []
         return rows, out
+
+
+def _next_draft(drafts: list[int], parents: list[int] | None, node: int, token: int) -> int | None:
+    """The draft after `node` (-1: the last known token) that is `token`, if any."""
+    if parents is None:  # a chain: the next draft
+        nxt = node + 1
+        return nxt if nxt < len(drafts) and drafts[nxt] == token else None
+    return next((i for i in range(node + 1, len(drafts)) if parents[i] == node and drafts[i] == token), None)
 
 
 def _trim_drafts_to_grammar(running: list[Req]) -> None:

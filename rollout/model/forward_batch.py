@@ -31,6 +31,9 @@ class ForwardBatch:
     # Decode rows grouped by a shared KV prefix (n samples of a prompt), for attention that
     # reads each prefix once per group (rollout/attention/prefix_kernel.py); None: no groups.
     shared: SharedPrefixes | None = None
+    # Decode rows whose KV slot lists are not pages in position order (draft tree nodes):
+    # only a backend with slot_lists may attend them.
+    slot_rows: bool = False
 
     @property
     def batch_size(self) -> int:

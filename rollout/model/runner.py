@@ -75,6 +75,8 @@ class ModelRunner:
             return self._prepare_decode(batch)
         if self._as_rows(batch):
             return self._prepare_rows(batch)
+        if any(r.draft_parents is not None for r in batch.reqs):  # the drafter checks tree_rows_max
+            raise RuntimeError("a step with draft trees must run as decode rows (ModelRunner.tree_rows_max)")
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         out_locs: list[np.ndarray] = []
@@ -155,6 +157,24 @@ class ModelRunner:
             return False  # plain decodes: _prepare_decode's layout
         return rows <= (self.verify_rows_max if self.verify_rows_max is not None else graph_rows)
 
+    def tree_rows_max(self) -> int:
+        """The most rows a verify step with draft trees may have. A tree node's row attends
+        to the context, its ancestors and itself: a list of slots out of position order, which
+        only a backend with `slot_lists` reads (not FlashInfer's pages), and only as decode
+        rows (a graph, or eager rows where no graph is captured)."""
+        backend = self.backend
+        if backend is None or not backend.slot_lists:
+            return 0
+        limit = 1 << 30
+        if self.graphs is not None:
+            limit = self.graphs.max_bs
+            small = getattr(backend, "max_rows", None)  # SmallDecode: graphs past it attend by page
+            if small is not None:
+                limit = min(limit, small)
+        if self.verify_rows_max is not None:
+            limit = min(limit, self.verify_rows_max)
+        return limit
+
     def _prepare_rows(self, batch: ScheduledBatch) -> ForwardBatch:
         """A step laid out as decode rows: new token j of a request (a prefill chunk's token,
         or position j of a request verifying k drafts) is a row of its own whose KV is the
@@ -162,7 +182,12 @@ class ModelRunner:
         attending, so row j sees the tokens before it, as causal attention over the request
         would; the step is then decode-shaped and replays a decode CUDA graph (of rows =
         the step's new tokens) instead of running eagerly. Each row re-reads its request's
-        KV: cheap next to the weights at the sizes graphs cover and the budget allows."""
+        KV: cheap next to the weights at the sizes graphs cover and the budget allows.
+
+        A draft tree (req.draft_parents) lays its nodes out the same way: node i's K/V goes to
+        the slot of position start + 1 + i, its rotary position is start + its depth, and its
+        row's KV is the context, its ancestors' slots and its own (step.py moves the accepted
+        path's KV into position order afterwards)."""
         table = self.table_np
         input_ids: list[int] = []
         positions: list[int] = []
@@ -171,8 +196,26 @@ class ModelRunner:
         kv_parts: list[np.ndarray] = []
         logits_indices: list[int] = []
         inflight: list[tuple[int, int]] = []
+        slot_rows = False
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             row, start = table[req.req_pool_idx], req.num_computed_tokens
+            if req.draft_parents is not None:
+                slot_rows = True
+                input_ids.append(req.output_ids[-1])
+                input_ids.extend(req.draft_tokens)
+                out_locs.append(row[start : start + n])
+                positions.append(start)
+                positions.extend(start + d for d in req.draft_depths())
+                context = row[: start + 1]
+                kv_parts.append(context)
+                seq_lens.append(start + 1)
+                paths: list[list[int]] = []  # each node's slots below the context: its ancestors', its own
+                for j, parent in enumerate(req.draft_parents):
+                    paths.append((paths[parent] if parent >= 0 else []) + [start + 1 + j])
+                    kv_parts.append(np.concatenate([context, row[paths[j]]]))
+                    seq_lens.append(start + 1 + len(paths[j]))
+                logits_indices.extend(range(len(input_ids) - n, len(input_ids)))  # a verify always samples
+                continue
             if req.num_inflight:  # a decode whose token the host has not seen yet
                 inflight.append((len(input_ids), req.req_pool_idx))
                 input_ids.append(0)
@@ -192,12 +235,13 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
             torch.from_numpy(np.concatenate(out_locs)), torch.from_numpy(np.concatenate(kv_parts)),
             torch.tensor(logits_indices, dtype=torch.int64), batch, seq_lens, inflight, row_lens=[1] * rows,
+            slot_rows=slot_rows,
         )
 
     def _finish(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
                 kv_indices: torch.Tensor, logits_indices: torch.Tensor, batch: ScheduledBatch,
                 seq_lens: list[int], inflight: list[tuple[int, int]], row_lens: list[int] | None = None,
-                shared: SharedPrefixes | None = None) -> ForwardBatch:
+                shared: SharedPrefixes | None = None, slot_rows: bool = False) -> ForwardBatch:
         """`row_lens`: new tokens per attention row when rows are not the batch's requests
         (a verify step as decode rows: all decodes)."""
         extend_lens = list(batch.extend_lens) if row_lens is None else row_lens
@@ -228,6 +272,7 @@ class ModelRunner:
             num_decode=batch.num_decode if row_lens is None else len(row_lens),
             lora=lora,
             shared=shared,
+            slot_rows=slot_rows,
         )
 
     def _lora_inputs(self, batch: ScheduledBatch, num_tokens: int) -> LoraInputs:

@@ -92,3 +92,53 @@ def test_real_graphs_verify_like_eager(llama: TinyModel, drafter: str) -> None:
     assert [o.token_ids for o in graphed.generate(input_ids=prompts, sampling_params=greedy)] == \
         [llama.greedy(p, NEW) for p in prompts]
     assert graphed.stats().counters["verify_steps"] > 0 and graphed.runner.graphs.num_replays > replays
+
+
+def _tree_engine(llama: TinyModel, prompts, params, **config) -> tuple[Engine, list]:
+    """An engine whose drafter grows trees with plain decoding's continuation behind decoys."""
+    from tree_oracle import OracleTree
+
+    want = Engine(EngineConfig(model=llama.path, **config)).generate(input_ids=prompts, sampling_params=params)
+    plain: dict = {}
+    for out in want:
+        plain.setdefault(tuple(prompts[out.prompt_index]), []).append(out.token_ids)
+    engine = Engine(EngineConfig(model=llama.path, speculative="ngram", speculative_governor=False,
+                                 num_speculative_tokens=4, **config))
+    engine.drafter = engine.loop.drafter = OracleTree(plain, llama.vocab_size, 4, 8)
+    engine.drafter.tree_rows = engine.runner.tree_rows_max
+    return engine, want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU twin; on CUDA test_real_graphs_verify_trees covers it")
+def test_graph_twin_replays_tree_verify_steps(llama: TinyModel) -> None:
+    """Tree rows through the Triton decode kernel (slot lists) in the graph replay path."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from graph_twin import EagerDecodeGraphs
+
+    prompts = make_prompts(llama.vocab_size, [6, 9], seed=91)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=2, ignore_eos=True)
+    engine, want = _tree_engine(llama, prompts, params, attention="triton", page_size=16)
+    graphs = engine.runner.graphs = EagerDecodeGraphs(engine.model, engine.runner.backend, max_bs=18,
+                                                      max_context=64, device=engine.device)
+    graphs.sizes = [2, 9, 18]
+    graphs.capture()
+    calls = _count_rows(engine)
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.counters.accepted_tokens > engine.counters.verify_steps > 0 and engine.drafter.trees > 0
+    assert calls[0] > 0 and graphs.num_replays >= calls[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
+@pytest.mark.parametrize("attention", ["auto", "triton"])
+def test_real_graphs_verify_trees(llama: TinyModel, attention: str) -> None:
+    """Trees in real graphs: FlashInfer's up to SMALL_DECODE_ROWS rows attend with Triton."""
+    prompts = _prompts(llama.vocab_size)[1:4]  # 3 requests x (1 + 8 nodes) rows: within SMALL_DECODE_ROWS
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=3, ignore_eos=True)
+    engine, want = _tree_engine(llama, prompts, params, device="cuda", max_total_tokens=4096, cuda_graph_max_bs=64,
+                                attention=attention)
+    replays = engine.runner.graphs.num_replays
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.counters.accepted_tokens > engine.counters.verify_steps > 0 and engine.drafter.trees > 0
+    assert engine.runner.graphs.num_replays > replays

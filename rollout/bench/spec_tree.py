@@ -1,0 +1,118 @@
+"""bench_spec --grpo-epochs --batch1-tree N..: what draft trees (speculative/tree.py) would
+accept on the batch-1 trace, before any engine verifies a tree.
+
+The samples run as the chain trace's do (spec_grpo._batch1_trace: each alone at the start of
+an epoch, drafting from a copy of the history), each first without drafts (its tokens: with
+the seeded sampler a verify accepts exactly what plain decoding draws) and then with a
+drafter that grows a tree of at most N nodes from the suffix drafter's index, as a tree
+drafter would, and hands the engine the tree's path that those tokens follow. The engine
+verifies that path, so the request advances exactly as a tree verify would advance it; the
+trace records each step's tree size and accepted length, and a tree that nothing in it
+matched counts as a verify step accepting 0 (the engine ran it as a plain step).
+
+The trees never see the future: only the choice of path does, and that choice is what tree
+verification itself makes. A projection of acceptance, not a measurement of a tree engine.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TreeTrace:
+    epoch: int
+    depth: int
+    nodes: int  # the budget (0: the chain draft through the same path choice)
+    samples: int
+    tokens: int  # emitted after each sample's first (prefill) token
+    steps: tuple[tuple[int, int], ...]  # (tree nodes, accepted) of each step that had a tree
+    plain_steps: int  # steps without a tree
+
+    @property
+    def accepted(self) -> int:
+        return sum(a for _, a in self.steps)
+
+
+def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, samples: int, depth: int,
+                      nodes: int) -> TreeTrace:
+    from rollout import SamplingParams
+    from rollout.rl.grpo import sample_seed
+    from speculative.ngram import draft_spec, last_tokens
+    from speculative.suffix import MAX_MATCH, MIN_MATCH
+    from speculative.tree import build, chain
+
+    drafter = engine.drafter
+    trial = copy.deepcopy(drafter)
+    trial.max_tokens = depth
+    future: list[int] = []  # this sample's tokens (its plain run)
+    steps: list[tuple[int, int]] = []
+    sizes: dict = {}  # request -> the size of the tree its path came from, until the engine verifies it
+
+    def propose(req, k):
+        group = trial._group_of(req)
+        group.sync(req)
+        context, spec = last_tokens(req, MAX_MATCH), draft_spec(req, trial.coupled)
+        tree = build(group.index, context, k, nodes, MIN_MATCH, spec) if nodes else \
+            chain(group.index, context, k, MIN_MATCH, spec)
+        if not len(tree):
+            return []
+        done = len(req.output_ids)
+        assert req.output_ids == future[:done], "the speculative run left plain decoding's tokens"
+        path = tree.follow(future[done:])
+        if path:
+            sizes[req] = len(tree)
+        else:  # a tree verify accepting nothing: the engine runs it as a plain step
+            steps.append((len(tree), 0))
+        return path
+
+    inner = trial.observe_step
+
+    def observe(req, drafted, accepted):
+        # what the engine accepted of the path: all of it, except a path running through the
+        # sample's last token (that one is emitted as the end, not counted as accepted)
+        steps.append((sizes.pop(req), accepted))
+        inner(req, drafted, accepted)
+
+    trial.propose = propose
+    trial.observe_step = observe
+    overlap_plain, engine.loop.overlap_plain = engine.loop.overlap_plain, True  # as CUDA runs it
+    tokens = 0
+    problems = task.problems(step, 8)
+    for i in range(samples):
+        prompt = task.prompt_ids(problems[i % len(problems)], engine.tokenizer)
+        params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=sample_seed(1, step, i))
+        engine.drafter = engine.loop.drafter = None
+        engine.flush_cache()
+        (plain,) = generate(input_ids=[prompt], sampling_params=params)
+        future[:] = plain.token_ids
+        engine.drafter = engine.loop.drafter = trial
+        engine.flush_cache()
+        (out,) = generate(input_ids=[prompt], sampling_params=params)
+        assert out.token_ids == plain.token_ids, "verification must emit plain decoding's tokens"
+        tokens += len(out.token_ids) - 1
+    engine.drafter = engine.loop.drafter = drafter
+    engine.loop.overlap_plain = overlap_plain
+    emitted = sum(a + 1 for _, a in steps)
+    return TreeTrace(epoch, depth, nodes, samples, tokens, tuple(steps), tokens - emitted)
+
+
+def summary(t: TreeTrace) -> str:
+    verifies = len(t.steps)
+    sizes = [n for n, _ in t.steps]
+    shape = f"trees of <= {t.nodes} nodes" if t.nodes else "chains"
+    return (f"batch 1 at the start of epoch {t.epoch}, {shape}, depth <= {t.depth}: "
+            f"{t.samples} samples, {t.tokens} tokens after the first, {verifies} tree steps "
+            f"({t.accepted / max(verifies, 1):.2f} accepted each, {sum(sizes) / max(verifies, 1):.1f} nodes each) "
+            f"+ {t.plain_steps} steps without a tree = {verifies + t.plain_steps} steps: "
+            f"{t.tokens / max(verifies + t.plain_steps, 1):.2f} tokens a step; accepted by tree size "
+            f"{_by_size(t)}")
+
+
+def _by_size(t: TreeTrace) -> str:
+    buckets: dict[int, list[int]] = {}
+    for n, a in t.steps:
+        buckets.setdefault(n, []).append(a)
+    return ", ".join(f"{n}: {len(v)} x {sum(v) / len(v):.2f}" for n, v in sorted(buckets.items()))
+

@@ -1,0 +1,77 @@
+"""Draft trees (speculative/tree.py): the budget and depth hold, nodes come in topological
+order, the chain's draft is a root path of every tree of its depth (so a tree never accepts
+less), and `follow` picks the path that tree verification accepts."""
+
+from __future__ import annotations
+
+import random
+
+from speculative.choice import DraftSpec, walk
+from speculative.index import ContinuationIndex
+from speculative.tree import DraftTree, build, chain
+
+
+def _index(seed: int, sequences: int = 12, length: int = 40, vocab: int = 6) -> tuple[ContinuationIndex, list[int]]:
+    """Random walks over a small vocabulary: their continuations branch often."""
+    rng = random.Random(seed)
+    index = ContinuationIndex(8)
+    for _ in range(sequences):
+        seq = [rng.randrange(vocab) for _ in range(length)]
+        index.add(seq, 0, len(seq))
+    return index, [rng.randrange(vocab) for _ in range(6)]
+
+
+def _root_paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return set(paths)
+
+
+def test_budget_depth_and_topological_order():
+    for seed in range(20):
+        index, context = _index(seed)
+        spec = DraftSpec(seed, 100, coupled=seed % 2 == 0)
+        for depth, nodes in ((1, 4), (3, 5), (4, 16), (8, 32)):
+            tree = build(index, context, depth, nodes, 2, spec)
+            assert 0 < len(tree) <= nodes
+            assert all(p < i for i, p in enumerate(tree.parents)), "a parent comes before its children"
+            assert max(tree.depth(i) for i in range(len(tree))) <= depth
+            siblings = [(p, t) for p, t in zip(tree.parents, tree.tokens)]
+            assert len(set(siblings)) == len(siblings), "no token twice under one parent"
+
+
+def test_the_chain_is_a_root_path_of_the_tree():
+    for seed in range(20):
+        index, context = _index(seed)
+        spec = DraftSpec(seed, 7, coupled=True)
+        for depth, nodes in ((4, 4), (4, 9), (8, 16)):
+            drafts = walk(index, context, depth, 2, spec)
+            tree = build(index, context, depth, nodes, 2, spec)
+            assert tuple(drafts) in _root_paths(tree)
+            assert chain(index, context, depth, 2, spec).tokens == drafts
+
+
+def test_follow_is_the_longest_matching_root_path():
+    tree = DraftTree(tokens=[3, 7, 4, 8, 5, 9, 11], parents=[-1, 0, 0, 1, 2, 3, 3])
+    assert tree.follow([3, 7, 8, 11, 0]) == [3, 7, 8, 11]
+    assert tree.follow([3, 4, 5, 6]) == [3, 4, 5]
+    assert tree.follow([3, 7, 9]) == [3, 7]
+    assert tree.follow([9, 3]) == []
+    assert tree.follow([]) == []
+    for seed in range(10):  # against every root path of a real tree
+        index, context = _index(seed)
+        tree = build(index, context, 5, 12, 2, DraftSpec(seed, 0, coupled=True))
+        paths = _root_paths(tree)
+        rng = random.Random(seed)
+        for _ in range(50):
+            future = [rng.randrange(6) for _ in range(6)]
+            got = tree.follow(future)
+            best = max((len(p) for p in paths if tuple(future[: len(p)]) == p), default=0)
+            assert len(got) == best and tuple(got) in paths | {()}
+
+
+def test_no_match_no_tree():
+    index = ContinuationIndex(8)
+    index.add([1, 2, 3], 0, 3)
+    assert len(build(index, [5, 6], 4, 8, 2, DraftSpec(0, 0, coupled=True))) == 0
