@@ -391,6 +391,8 @@ def main() -> None:
     parser.add_argument("--batch1-tree", type=int, nargs="*", metavar="N",
                         help="--grpo-epochs: also trace draft trees of at most N nodes (0: chains) at each --batch1-k "
                              "depth, their path chosen as tree verification would (rollout/bench/spec_tree.py)")
+    parser.add_argument("--batch1-tree-fallback", type=int, default=0, metavar="N",
+                        help="--batch1-tree: also trace trees grown from matches of N tokens where none of 2 is found")
     parser.add_argument("--batch1-fixed", action="store_true",
                         help="--grpo-epochs: also trace the chains with draft lengths held at k (no adaptation)")
     parser.add_argument("--k", type=int, default=4, help="--grpo-epochs: num_speculative_tokens")

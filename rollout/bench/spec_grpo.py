@@ -74,9 +74,10 @@ def grpo_epochs(args) -> None:
                     print(f"  chain trace k <= {k}, adapt {adapt}: {len(traces[-1].verifies)} verifies, "
                           f"{traces[-1].accepted} accepted, {traces[-1].plain_steps} steps without drafts", flush=True)
                 for nodes in args.batch1_tree or []:
-                    tree_traces.append(batch1_tree_trace(engine, generate, task, step, step // steps_per_epoch + 1,
-                                                         args.new, args.batch1_samples, k, nodes))
-                    print("  " + tree_summary(tree_traces[-1]), flush=True)
+                    for fallback in sorted({0, args.batch1_tree_fallback}) if nodes else (0,):
+                        tree_traces.append(batch1_tree_trace(engine, generate, task, step, step // steps_per_epoch + 1,
+                                                             args.new, args.batch1_samples, k, nodes, fallback))
+                        print("  " + tree_summary(tree_traces[-1]), flush=True)
         problems = task.problems(step, config.prompts_per_step)
         prompts = [task.prompt_ids(p, engine.tokenizer) for p in problems]
         params = [SamplingParams(temperature=1.0, max_new_tokens=args.new, n=8, seed=sample_seed(0, step, i))

@@ -29,6 +29,8 @@ class TreeTrace:
     tokens: int  # emitted after each sample's first (prefill) token
     steps: tuple[tuple[int, int], ...]  # (tree nodes, accepted) of each step that had a tree
     plain_steps: int  # steps without a tree
+    fallback: int = 0  # matches this short grew the tree where none of MIN_MATCH was found (0: none)
+    fallback_steps: tuple[tuple[int, int], ...] = ()  # (nodes, accepted) of the trees from such matches
 
     @property
     def accepted(self) -> int:
@@ -36,7 +38,7 @@ class TreeTrace:
 
 
 def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, samples: int, depth: int,
-                      nodes: int) -> TreeTrace:
+                      nodes: int, fallback: int = 0) -> TreeTrace:
     from rollout import SamplingParams
     from rollout.rl.grpo import sample_seed
     from speculative.ngram import draft_spec, last_tokens
@@ -49,6 +51,8 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
     future: list[int] = []  # this sample's tokens (its plain run)
     steps: list[tuple[int, int]] = []
     sizes: dict = {}  # request -> the size of the tree its path came from, until the engine verifies it
+    short: set = set()  # requests whose pending tree came from the fallback's short matches
+    fallback_steps: list[tuple[int, int]] = []
 
     def propose(req, k):
         group = trial._group_of(req)
@@ -56,6 +60,9 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
         context, spec = last_tokens(req, MAX_MATCH), draft_spec(req, trial.coupled)
         tree = build(group.index, context, k, nodes, MIN_MATCH, spec) if nodes else \
             chain(group.index, context, k, MIN_MATCH, spec)
+        from_short = False
+        if not len(tree) and fallback and nodes:
+            tree, from_short = build(group.index, context, k, nodes, fallback, spec), True
         if not len(tree):
             return []
         done = len(req.output_ids)
@@ -63,8 +70,12 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
         path = tree.follow(future[done:])
         if path:
             sizes[req] = len(tree)
+            if from_short:
+                short.add(req)
         else:  # a tree verify accepting nothing: the engine runs it as a plain step
             steps.append((len(tree), 0))
+            if from_short:
+                fallback_steps.append((len(tree), 0))
         return path
 
     inner = trial.observe_step
@@ -73,6 +84,9 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
         # what the engine accepted of the path: all of it, except a path running through the
         # sample's last token (that one is emitted as the end, not counted as accepted)
         steps.append((sizes.pop(req), accepted))
+        if req in short:
+            short.discard(req)
+            fallback_steps.append((steps[-1][0], accepted))
         inner(req, drafted, accepted)
 
     trial.propose = propose
@@ -95,13 +109,17 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
     engine.drafter = engine.loop.drafter = drafter
     engine.loop.overlap_plain = overlap_plain
     emitted = sum(a + 1 for _, a in steps)
-    return TreeTrace(epoch, depth, nodes, samples, tokens, tuple(steps), tokens - emitted)
+    return TreeTrace(epoch, depth, nodes, samples, tokens, tuple(steps), tokens - emitted, fallback,
+                     tuple(fallback_steps))
 
 
 def summary(t: TreeTrace) -> str:
     verifies = len(t.steps)
     sizes = [n for n, _ in t.steps]
     shape = f"trees of <= {t.nodes} nodes" if t.nodes else "chains"
+    if t.fallback:
+        shape += (f" (matches of {t.fallback} where none longer: {len(t.fallback_steps)} trees, "
+                  f"{sum(a for _, a in t.fallback_steps)} accepted)")
     return (f"batch 1 at the start of epoch {t.epoch}, {shape}, depth <= {t.depth}: "
             f"{t.samples} samples, {t.tokens} tokens after the first, {verifies} tree steps "
             f"({t.accepted / max(verifies, 1):.2f} accepted each, {sum(sizes) / max(verifies, 1):.1f} nodes each) "
