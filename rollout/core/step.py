@@ -176,11 +176,12 @@ class StepLoop:
         # decoding would have drawn there (drafts are proposals, accepted where they agree)
         # (a tree node's position is its depth below the request's last token)
         row_reqs = [r for r, d in zip(samplers, drafts) for _ in range(1 + len(d))]
-        offsets = [j for d, tree in zip(drafts, forwarded.trees)
-                   for j in [0, *(range(1, 1 + len(d)) if tree is None else tree_depths(tree))]]
+        offsets = None
+        if len(row_reqs) > len(samplers):
+            offsets = [j for d, tree in zip(drafts, forwarded.trees)
+                       for j in [0, *(range(1, 1 + len(d)) if tree is None else tree_depths(tree))]]
         mask = self._token_mask(forwarded, logits.device) if forwarded.constrained else None
-        res = sample(logits, SamplingBatch.from_reqs(row_reqs, self.vocab_size, logits.device,
-                                                     offsets if len(row_reqs) > len(samplers) else None), mask)
+        res = sample(logits, SamplingBatch.from_reqs(row_reqs, self.vocab_size, logits.device, offsets), mask)
         if self._overlapped:  # only then does a step read tokens it has not seen
             self.runner.record_tokens(forwarded.pool_rows, res.token_ids)
         for req in samplers:
@@ -268,7 +269,7 @@ class StepLoop:
                 done = self.outputs.check_finish(req, token)
                 if req.grammar is not None and req.grammar.accept(token):
                     req.finish_reason, done = "stop", True  # the grammar is complete (its stop token accepted)
-                node = _next_draft(drafts, tree, node, token) if not done else None
+                node = _next_draft(drafts, tree, node, token) if drafts and not done else None
                 if node is None:
                     break  # finished, or no draft is the token drawn: the run ends
                 path.append(node)
