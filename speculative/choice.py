@@ -60,12 +60,16 @@ def blended(levels: list[Counts], blend: float = BLEND) -> dict[int, float]:
     return q
 
 
-def coupled(levels: list[Counts], key: int) -> int:
+def race(q: dict[int, float], key: int) -> int:
     """argmax_x log q(x) + g(x): the target's race run over q, with the noise of `key`."""
-    q = blended(levels, BLEND)
     if len(q) == 1:
         return next(iter(q))
     return max(q, key=lambda x: math.log(q[x]) + race_noise(key, x))
+
+
+def coupled(levels: list[Counts], key: int) -> int:
+    """The coupled draft after matches `levels`: the race over their blended estimate."""
+    return race(blended(levels, BLEND), key)
 
 
 def walk(index: ContinuationIndex, context: Sequence[int], k: int, min_n: int, spec: DraftSpec) -> list[int]:

@@ -18,13 +18,12 @@ share of the blended continuation estimate q (choice.py).
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from speculative.choice import DraftSpec, blended, latest, walk
+from speculative.choice import DraftSpec, blended, latest, race
 from speculative.index import ContinuationIndex
-from speculative.noise import position_key, race_noise
+from speculative.noise import position_key
 
 
 @dataclass
@@ -62,10 +61,7 @@ def _ranked(levels, key: int | None) -> list[tuple[int, float]]:
     """The children to consider after a context: (token, score factor), the coupled (or
     latest) choice first with factor 1 (the chain is grown before any branch)."""
     q = blended(levels)
-    if key is None:
-        first = latest(levels)
-    else:
-        first = max(q, key=lambda x: math.log(q[x]) + race_noise(key, x)) if len(q) > 1 else next(iter(q))
+    first = latest(levels) if key is None else race(q, key)
     rest = sorted((x for x in q if x != first), key=q.__getitem__, reverse=True)
     return [(first, 1.0)] + [(x, q[x]) for x in rest]
 
@@ -102,8 +98,3 @@ def build(index: ContinuationIndex, context: Sequence[int], max_depth: int, max_
         expand(len(tree) - 1, -neg, path)
     return tree
 
-
-def chain(index: ContinuationIndex, context: Sequence[int], max_depth: int, min_n: int, spec: DraftSpec) -> DraftTree:
-    """The chain draft (choice.walk) as a tree of one branch."""
-    tokens = walk(index, context, max_depth, min_n, spec)
-    return DraftTree(tokens, list(range(-1, len(tokens) - 1)))

@@ -42,8 +42,8 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
     from rollout import SamplingParams
     from rollout.rl.grpo import sample_seed
     from speculative.ngram import draft_spec, last_tokens
-    from speculative.suffix import MAX_MATCH, MIN_MATCH
-    from speculative.tree import build, chain
+    from speculative.suffix import MAX_MATCH
+    from speculative.tree import DraftTree, build
 
     drafter = engine.drafter
     trial = copy.deepcopy(drafter)
@@ -55,14 +55,17 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
     fallback_steps: list[tuple[int, int]] = []
 
     def propose(req, k):
-        group = trial._group_of(req)
-        group.sync(req)
-        context, spec = last_tokens(req, MAX_MATCH), draft_spec(req, trial.coupled)
-        tree = build(group.index, context, k, nodes, MIN_MATCH, spec) if nodes else \
-            chain(group.index, context, k, MIN_MATCH, spec)
+        # the drafter's own trees (and chains), so the trace measures what the engine would verify
+        if nodes:
+            tree = DraftTree(*trial.propose_tree(req, k, nodes))
+        else:
+            drafts = trial.propose(req, k)
+            tree = DraftTree(drafts, list(range(-1, len(drafts) - 1)))
         from_short = False
         if not len(tree) and fallback and nodes:
-            tree, from_short = build(group.index, context, k, nodes, fallback, spec), True
+            group = trial._group_of(req)
+            spec = draft_spec(req, trial.coupled)
+            tree, from_short = build(group.index, last_tokens(req, MAX_MATCH), k, nodes, fallback, spec), True
         if not len(tree):
             return []
         done = len(req.output_ids)

@@ -8,7 +8,7 @@ import random
 
 from speculative.choice import DraftSpec, walk
 from speculative.index import ContinuationIndex
-from speculative.tree import DraftTree, build, chain
+from speculative.tree import DraftTree, build
 
 
 def _index(seed: int, sequences: int = 12, length: int = 40, vocab: int = 6) -> tuple[ContinuationIndex, list[int]]:
@@ -49,7 +49,6 @@ def test_the_chain_is_a_root_path_of_the_tree():
             drafts = walk(index, context, depth, 2, spec)
             tree = build(index, context, depth, nodes, 2, spec)
             assert tuple(drafts) in _root_paths(tree)
-            assert chain(index, context, depth, 2, spec).tokens == drafts
 
 
 def test_follow_is_the_longest_matching_root_path():
