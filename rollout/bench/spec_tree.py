@@ -54,12 +54,14 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
     short: set = set()  # requests whose pending tree came from the fallback's short matches
     fallback_steps: list[tuple[int, int]] = []
 
+    own_propose, own_tree = trial.propose, trial.propose_tree  # (propose is replaced below)
+
     def propose(req, k):
         # the drafter's own trees (and chains), so the trace measures what the engine would verify
         if nodes:
-            tree = DraftTree(*trial.propose_tree(req, k, nodes))
+            tree = DraftTree(*own_tree(req, k, nodes))
         else:
-            drafts = trial.propose(req, k)
+            drafts = own_propose(req, k)
             tree = DraftTree(drafts, list(range(-1, len(drafts) - 1)))
         from_short = False
         if not len(tree) and fallback and nodes:
