@@ -163,7 +163,8 @@ class Scheduler:
             budget = self._admit(budget, decodes, extends)
         if not decodes and not extends:
             return None
-        if any(not r.draft_tokens for r, _ in extends):
+        # prefill work: a chunk, or a prompt's last token (a "decode" that samples its first)
+        if any(not r.draft_tokens for r, _ in extends) or any(not (r.output_ids or r.num_inflight) for r, _ in decodes):
             self._trees_to_chains(extends)
         chosen = decodes + extends
         return ScheduledBatch(

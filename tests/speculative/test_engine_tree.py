@@ -120,3 +120,31 @@ def test_tree_nodes_config_is_checked(llama: TinyModel) -> None:
         EngineConfig(model=llama.path, speculative="draft", draft_model=llama.path, speculative_tree_nodes=8)
     with pytest.raises(ValueError, match="speculative_tree_nodes"):
         EngineConfig(model=llama.path, speculative="suffix", speculative_tree_nodes=65)
+
+
+def test_trees_beside_chunked_prefills_equal_plain_decoding(llama: TinyModel, monkeypatch) -> None:
+    """Prompts prefilled in chunks while others verify trees: a step holding a prompt's last
+    token (scheduled as a decode: it samples the first output) has prefill work too, so its
+    trees fall back to chains there as beside any other chunk."""
+    prompts = make_prompts(llama.vocab_size, [5, 12, 6, 13], seed=83)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=4, ignore_eos=True)
+    config = dict(max_running_requests=2, max_prefill_tokens=16)
+    want, plain = _plain(Engine(EngineConfig(model=llama.path, **config)), prompts, params)
+    met = []  # steps where a prompt's last token met a tree
+    inner = Scheduler.schedule
+
+    def spy(self):
+        batch = inner(self)
+        if batch is not None and any(not (r.output_ids or r.num_inflight) and n == 1
+                                     for r, n in zip(batch.reqs, batch.extend_lens)):
+            met.append(sum(r.draft_tokens != [] for r in batch.reqs))
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    engine = _tree_engine(llama, plain, **config)
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.counters.verify_steps > 0 and engine.drafter.trees > 0
+    assert sum(met) > 0, "no prompt's last token was scheduled beside drafts"
+    engine.flush_cache()
+    assert engine.kv.used_slots() == 0
