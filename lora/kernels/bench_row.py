@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="split the adapter's cost: full / epilogue / shrink")
     ap.add_argument("--max-running", type=int, default=1, help="max_running_requests and cuda_graph_max_bs")
     ap.add_argument("--gemv-from", default=None, help="with --parts: also time the skinny GEMV kernel of this file")
+    ap.add_argument("--only", nargs="+", default=None, metavar="PART",
+                    help="with --parts: time these parts alone (of %s, and gemv-from-file)" % ", ".join(PARTS))
     args = ap.parse_args()
     from lora.kernels import row
     from rollout import Engine, EngineConfig, SamplingParams
@@ -91,6 +93,11 @@ def main() -> None:
         return wall, replay
 
     variants = (PARTS + (["gemv-from-file"] if args.gemv_from else [])) if args.parts else args.shapes
+    if args.parts and args.only:
+        unknown = [p for p in args.only if p not in variants]
+        if unknown:
+            ap.error(f"--only {unknown}: not among {variants}")
+        variants = args.only
     results: dict[str, dict[str, list[float]]] = {}
     for r in range(args.rounds):
         for shape in (variants if r % 2 == 0 else list(reversed(variants))):

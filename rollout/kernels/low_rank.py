@@ -35,7 +35,9 @@ class LowRank:
     h: fp32 [SPLIT, num_slices * max_rank] partial sums over SPLIT slices of K (summed by the
     epilogue; unwritten past the rank, never read there), written by the kernel right before
     the GEMV (lora/kernels/row.py; the GEMV loads it beside x, after its PDL wait). b:
-    [num_slots, N, max_rank] in the GEMV's dtype (a layer's view, scaling folded in); slot:
+    [num_slots, N, max_rank] in the GEMV's dtype (a layer's view, scaling folded in), zero
+    past each slot's rank (the pool's slots are; the GEMV reads b without waiting for the
+    rank, skinny._low_rank_start), finite everywhere; slot:
     int32 [1] on the device (the row's slot, read in the kernel: a CUDA graph replays any
     adapter); ranks: int32 [num_slots]."""
 

