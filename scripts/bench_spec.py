@@ -391,6 +391,14 @@ def main() -> None:
     parser.add_argument("--batch1-tree", type=int, nargs="*", metavar="N",
                         help="--grpo-epochs: also trace draft trees of at most N nodes (0: chains) at each --batch1-k "
                              "depth, their path chosen as tree verification would (rollout/bench/spec_tree.py)")
+    parser.add_argument("--batch1-ahead", type=int, nargs="*", metavar="N",
+                        help="--grpo-epochs: replay the batch-1 samples step by step with trees of at most N nodes: "
+                             "each step that may draft waits for the token in flight (the engine), or drafts a tree "
+                             "ahead of it (rollout/bench/spec_tree.py batch1_ahead_trace)")
+    parser.add_argument("--batch1-ahead-least", type=float, nargs="*", default=[0.0], metavar="E",
+                        help="--batch1-ahead: draft ahead only where the tree expects at least E accepted drafts")
+    parser.add_argument("--batch1-save", default=None, metavar="PATH",
+                        help="--batch1-ahead: write the replayed steps (rows, accepted, waited) as JSON")
     parser.add_argument("--batch1-tree-fallback", type=int, default=0, metavar="N",
                         help="--batch1-tree: also trace trees grown from matches of N tokens where none of 2 is found")
     parser.add_argument("--batch1-fixed", action="store_true",

@@ -33,6 +33,9 @@ class DraftTree:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    # each node's estimated chance that the target draws its path: the product of the
+    # blended continuation estimates q along it (empty where not built by `build`)
+    probs: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -57,44 +60,87 @@ class DraftTree:
         return path
 
 
-def _ranked(levels, key: int | None) -> list[tuple[int, float]]:
-    """The children to consider after a context: (token, score factor), the coupled (or
-    latest) choice first with factor 1 (the chain is grown before any branch)."""
+def _ranked(levels, key: int | None) -> list[tuple[int, float, float]]:
+    """The children to consider after a context: (token, score factor, chance), the coupled
+    (or latest) choice first with factor 1 (the chain is grown before any branch). The
+    chance is q less an escape for continuations never seen: n / (n + 1) of it, n the
+    longest match's count (one sighting is not certainty)."""
     q = blended(levels)
     first = latest(levels) if key is None else race(q, key)
     rest = sorted((x for x in q if x != first), key=q.__getitem__, reverse=True)
-    return [(first, 1.0)] + [(x, q[x]) for x in rest]
+    seen = sum(levels[0].values())
+    sure = seen / (seen + 1)
+    return [(first, 1.0, q[first] * sure)] + [(x, q[x], q[x] * sure) for x in rest]
 
 
 def build(index: ContinuationIndex, context: Sequence[int], max_depth: int, max_nodes: int, min_n: int,
-          spec: DraftSpec) -> DraftTree:
-    """A draft tree of at most `max_nodes` nodes and depth `max_depth` after `context`."""
+          spec: DraftSpec, ahead: bool = False) -> DraftTree:
+    """A draft tree of at most `max_nodes` nodes and depth `max_depth` after `context`.
+
+    `ahead`: the context's next token is still in flight (sampled on the device, not yet
+    read). The tree then has one level more: its first level holds candidates for that
+    token (whatever followed the context's last token, min_n 1), which cost nothing (the
+    device feeds the token: `split_ahead` drops them) and do not count against
+    `max_nodes`; `spec.position` is the in-flight token's."""
     tree = DraftTree()
     base = list(context[len(context) - index.max_n :])
     paths: list[list[int]] = []  # each node's tokens from the root (its context's tail)
-    heap: list[tuple[float, int, int, int, int]] = []  # (-score, tie, parent, token, depth)
+    heap: list[tuple[float, int, int, int, int, float]] = []  # (-score, tie, parent, token, depth, prob)
     tie = 0
 
-    def expand(parent: int, score: float, path: list[int]) -> None:
+    free = 1 if ahead else 0  # levels of candidates for the token in flight, not rows
+    rows = 0  # nodes past the free level
+
+    def expand(parent: int, score: float, path: list[int], prob: float) -> None:
         nonlocal tie
         depth = len(path)
-        if depth >= max_depth:
+        if depth >= max_depth + free:
             return
-        levels = index.matches((base + path)[-index.max_n :], min_n)
+        levels = index.matches((base + path)[-index.max_n :], 1 if depth < free else min_n)
         if not levels:
             return
         key = position_key(spec.seed, spec.position + depth) if spec.coupled else None
-        for token, p in _ranked(levels, key):
-            heapq.heappush(heap, (-score * p, tie, parent, token, depth + 1))
+        for token, p, q in _ranked(levels, key):
+            heapq.heappush(heap, (-score * p, tie, parent, token, depth + 1, prob * q))
             tie += 1
 
-    expand(-1, 1.0, [])
-    while heap and len(tree) < max_nodes:
-        neg, _, parent, token, _depth = heapq.heappop(heap)
+    expand(-1, 1.0, [], 1.0)
+    while heap and rows < max_nodes:
+        neg, _, parent, token, depth, prob = heapq.heappop(heap)
         path = (paths[parent] if parent >= 0 else []) + [token]
         tree.tokens.append(token)
         tree.parents.append(parent)
+        tree.probs.append(prob)
         paths.append(path)
-        expand(len(tree) - 1, -neg, path)
+        rows += depth > free
+        expand(len(tree) - 1, -neg, path, prob)
     return tree
 
+
+def split_ahead(tree: DraftTree) -> DraftTree:
+    """The draft tree a verify launched ahead of the token in flight would run: the subtrees
+    under the candidates for that token, merged as a trie (the first level goes). The device
+    would feed the token itself, so every row computes a continuation of the token actually
+    drawn, whichever candidate its subtree assumed: a path whose tokens the draws follow is
+    exact under any of them, and the same path under two candidates is one path. A merged
+    node's chance is the sum of its copies' (each already weighted by its candidate's).
+
+    Measured, not built into the engine: on the second-epoch GRPO trace such verifies gain
+    nothing over waiting for the token (rollout/bench/spec_tree.py batch1_ahead_trace;
+    BENCHMARKS.md, speculative decoding, session 17)."""
+    out = DraftTree()
+    index: dict[int, int] = {}  # node of `tree` -> node of the merge
+    child: dict[tuple[int, int], int] = {}  # (parent in the merge, token) -> node of the merge
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        if parent < 0:
+            continue  # a candidate for the token in flight
+        at = -1 if tree.parents[parent] < 0 else index[parent]
+        j = child.get((at, token))
+        if j is None:
+            j = child[(at, token)] = len(out)
+            out.tokens.append(token)
+            out.parents.append(at)
+            out.probs.append(0.0)
+        out.probs[j] += tree.probs[i]
+        index[i] = j
+    return out

@@ -77,6 +77,41 @@ def verify_ms(rows: int) -> float:
     return (1 - t) * H200_TREE_MS[lo] + t * H200_TREE_MS[hi]
 
 
+# The same call's batch-1 steps as one table, rows -> ms with overlap off (1 row: plain decode;
+# 2 / 5 / 9: chains of 1 / 4 / 8 drafts, 9 the mean of the chain's and the 8-node tree's; then
+# the trees), and plain decode with overlap on: the host gap a step launched ahead of the read
+# back saves is the difference, 0.72 ms.
+H200_S16_ROWS_MS: dict[int, float] = {1: 5.08, 2: 5.51, 5: 5.85, 9: 5.58, 17: 6.03, 25: 6.06, 33: 6.49, 48: 6.52}
+H200_S16_DECODE_MS = 4.36
+# H100 80GB HBM3, session 17 (`bench_spec --gpu --batches 1 --max-k 8 --no-eager --no-draft-model
+# --tree-nodes 16 32 47`, BENCHMARKS.md): chains of 1..8 drafts, then trees
+H100_S17_ROWS_MS: dict[int, float] = {1: 6.04, 2: 6.66, 3: 6.78, 4: 6.72, 5: 6.90, 6: 6.90, 7: 6.91, 8: 6.90, 9: 7.01,
+                                      17: 7.43, 33: 7.91, 48: 7.95}
+H100_S17_DECODE_MS = 5.81
+
+
+def _rows_ms(rows: int, table: dict[int, float]) -> float:
+    widths = sorted(table)
+    if rows > widths[-1]:
+        return float("nan")
+    hi = next(w for w in widths if w >= rows)
+    lo = max(w for w in widths if w <= rows)
+    t = 0.0 if hi == lo else (rows - lo) / (hi - lo)
+    return (1 - t) * table[lo] + t * table[hi]
+
+
+def ahead_trace_speedup(steps, tokens: int, table: dict[int, float] = H200_S16_ROWS_MS,
+                        decode_ms: float = H200_S16_DECODE_MS) -> float:
+    """Batch-1 decode speedup from a replayed trace (spec_tree.batch1_ahead_trace): each
+    (rows, accepted, waited) step at the table's cost for its rows (overlap off: the step
+    waited for a read back), less the host gap (the table's 1 row against `decode_ms`, plain
+    decoding with overlap on) where it was launched before the step it follows was read;
+    against plain decoding for the same tokens. The H200's session-16 table by default."""
+    gap = table[1] - decode_ms
+    cost = sum(_rows_ms(rows, table) - (0.0 if waited else gap) for rows, _, waited in steps)
+    return tokens * decode_ms / cost if cost else 1.0
+
+
 def tree_trace_speedup(steps: list[tuple[int, int]] | tuple, plain_steps: int, decode_steps: int,
                        overlap_plain: bool) -> float:
     """H200 batch-1 decode speedup from a tree trace (spec_tree.py): each (nodes, accepted)

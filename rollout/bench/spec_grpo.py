@@ -40,7 +40,7 @@ def grpo_epochs(args) -> None:
     mostly turn drafting off, and its acceptance would say little about a GPU."""
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.bench.spec import batch1_trace_speedup, projected_speedup, tree_trace_speedup
-    from rollout.bench.spec_tree import batch1_tree_trace
+    from rollout.bench.spec_tree import ahead_summary, batch1_ahead_trace, batch1_tree_trace, plain_futures
     from rollout.bench.spec_tree import summary as tree_summary
     from rollout.model.fetch import fetch_default_model
     from rollout.rl import ArithmeticTask, Epochs, GRPOConfig, GRPOTrainer, load_policy
@@ -65,6 +65,7 @@ def grpo_epochs(args) -> None:
     rows = []
     traces = []
     tree_traces = []
+    ahead_traces = []
     for step in range(args.epochs * steps_per_epoch):
         if step % steps_per_epoch == 0 and 0 < step // steps_per_epoch <= args.batch1_epochs:
             for k in args.batch1_k or [args.k]:
@@ -78,6 +79,13 @@ def grpo_epochs(args) -> None:
                         tree_traces.append(batch1_tree_trace(engine, generate, task, step, step // steps_per_epoch + 1,
                                                              args.new, args.batch1_samples, k, nodes, fallback))
                         print("  " + tree_summary(tree_traces[-1]), flush=True)
+                if args.batch1_ahead:
+                    futures = plain_futures(engine, generate, task, step, args.new, args.batch1_samples)
+                    for nodes in args.batch1_ahead:
+                        for mode in ["drain"] + [f"{m}:{e}" for e in args.batch1_ahead_least
+                                                 for m in ("ahead", "ahead-drain")]:
+                            ahead_traces.append(batch1_ahead_trace(engine.drafter, futures, k, nodes, mode))
+                            print("  " + ahead_summary(ahead_traces[-1]), flush=True)
         problems = task.problems(step, config.prompts_per_step)
         prompts = [task.prompt_ids(p, engine.tokenizer) for p in problems]
         params = [SamplingParams(temperature=1.0, max_new_tokens=args.new, n=8, seed=sample_seed(0, step, i))
@@ -133,6 +141,14 @@ def grpo_epochs(args) -> None:
         print(f"\n{tree_summary(t)}; H200 batch-1 decode speedup (steps without a tree overlapped / not): "
               f"{tree_trace_speedup(t.steps, t.plain_steps, t.tokens, True):.2f}x / "
               f"{tree_trace_speedup(t.steps, t.plain_steps, t.tokens, False):.2f}x")
+    for t in ahead_traces:
+        print(f"\n{ahead_summary(t)}")
+    if args.batch1_save and ahead_traces:  # to re-cost on another machine's step table (spec.ahead_trace_speedup)
+        import json
+
+        with open(args.batch1_save, "w") as f:
+            json.dump([dataclasses.asdict(t) for t in ahead_traces], f)
+        print(f"ahead traces written to {args.batch1_save}")
     print("\nper epoch (its steps summed):")
     for epoch in sorted({r.epoch for r in rows}):
         mine = [r for r in rows if r.epoch == epoch]

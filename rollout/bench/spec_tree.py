@@ -139,3 +139,117 @@ def _by_size(t: TreeTrace) -> str:
         buckets.setdefault(n, []).append(a)
     return ", ".join(f"{n}: {len(v)} x {sum(v) / len(v):.2f}" for n, v in sorted(buckets.items()))
 
+
+
+@dataclass(frozen=True)
+class AheadTrace:
+    """A batch-1 trace replayed step by step on the host, for the cost of each step as the
+    engine would launch it: `steps` holds (rows, accepted, waited) per step, rows 1 for a
+    step without drafts, `waited` whether the host read the device's last token before
+    launching it (the device idles while the host drafts and launches: no overlap)."""
+
+    # "drain": a step that may draft waits for the token in flight; "ahead:E": it drafts ahead
+    # of it where the ahead tree expects at least E accepted drafts, else runs plain;
+    # "ahead-drain:E": else waits as "drain" does
+    mode: str
+    depth: int
+    nodes: int
+    samples: int
+    tokens: int
+    steps: tuple[tuple[int, int, bool], ...]
+    draft_ms: float  # host ms per drafting call (propose_tree / propose_tree_ahead), this CPU
+
+
+def plain_futures(engine, generate, task, step: int, new: int, samples: int) -> list[tuple[list[int], object, list[int]]]:
+    """(prompt, params, plain decoding's tokens) of each batch-1 sample at `step`, as the
+    traces above run them."""
+    from rollout import SamplingParams
+    from rollout.rl.grpo import sample_seed
+
+    drafter = engine.drafter
+    engine.drafter = engine.loop.drafter = None
+    problems = task.problems(step, 8)
+    out = []
+    for i in range(samples):
+        prompt = task.prompt_ids(problems[i % len(problems)], engine.tokenizer)
+        params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=sample_seed(1, step, i))
+        engine.flush_cache()
+        (plain,) = generate(input_ids=[prompt], sampling_params=params)
+        out.append((prompt, params, list(plain.token_ids)))
+    engine.drafter = engine.loop.drafter = drafter
+    return out
+
+
+def batch1_ahead_trace(drafter, futures, depth: int, nodes: int, mode: str) -> AheadTrace:
+    """Replay each sample's plain tokens through the drafter's trees (a copy of it: its
+    history grows by these samples as the engine's would), step by step as the engine
+    schedules them at batch 1 with overlap: a step without drafts is launched before its
+    token is read; then the next step either waits for that token and drafts with it
+    ("drain", as the engine does) or drafts a tree ahead of it, each subtree
+    under one candidate value, and verifies the subtree the device drew ("ahead"). A verify
+    step's tokens are read before the next step is drafted (its accepted run decides it)."""
+    import time
+
+    from rollout.request import Req, derive_seed
+    from speculative.ngram import draft_spec, last_tokens
+    from speculative.suffix import MAX_MATCH, MIN_MATCH
+    from speculative.tree import DraftTree, build, split_ahead
+
+    trial = copy.deepcopy(drafter)
+    kind, _, at_least = mode.partition(":")
+    least = float(at_least or 0)
+    steps: list[tuple[int, int, bool]] = []
+    tokens = 0
+    seconds, calls = 0.0, 0
+    for i, (prompt, params, future) in enumerate(futures):
+        req = Req(rid=f"ahead{i}", prompt_ids=prompt, params=params, seed=derive_seed(params.seed, 0))
+        n = len(future)
+        tokens += n - 1
+        pos, known = 1, 0  # future[:pos] emitted; the host has read future[:known]
+        while pos < n:
+            waited = known == pos
+            k = min(depth, params.max_new_tokens - pos - 1)
+            req.output_ids = future[:known]
+            tree = DraftTree()
+            if not waited and k > 0 and kind != "drain":
+                start = time.perf_counter()
+                group = trial._group_of(req)  # (the suffix drafter's index, as its own trees read it)
+                group.sync(req)
+                ahead = split_ahead(build(group.index, last_tokens(req, MAX_MATCH), k, nodes, MIN_MATCH,
+                                          draft_spec(req, trial.coupled), ahead=True))
+                seconds, calls = seconds + time.perf_counter() - start, calls + 1
+                if len(ahead) and sum(ahead.probs) >= least:
+                    tree = ahead
+            if not waited and not len(tree) and kind != "ahead" and trial.may_draft_next(req):
+                known = pos  # the step waits for the token in flight, then drafts with it
+                continue
+            if waited and k > 0:
+                start = time.perf_counter()
+                tree = DraftTree(*trial.propose_tree(req, k, nodes))
+                seconds, calls = seconds + time.perf_counter() - start, calls + 1
+            rows = 1 + len(tree)
+            path = tree.follow(future[pos:])
+            emitted = min(len(path) + 1, n - pos)
+            steps.append((rows, emitted - 1, waited))
+            pos += emitted
+            # a verify is read before the next step drafts; a plain step's token is in flight
+            # while the next one launches (the host has read the one before it)
+            known = pos if len(tree) else pos - 1
+        req.output_ids = list(future)
+        trial.observe_finished(req)
+    return AheadTrace(mode, depth, nodes, len(futures), tokens, tuple(steps), 1e3 * seconds / max(calls, 1))
+
+
+def ahead_summary(t: AheadTrace) -> str:
+    from rollout.bench.spec import H100_S17_DECODE_MS, H100_S17_ROWS_MS, ahead_trace_speedup
+
+    verifies = [(r, a) for r, a, _ in t.steps if r > 1]
+    plain = len(t.steps) - len(verifies)
+    waited = sum(w for _, _, w in t.steps)
+    return (f"batch 1, {t.mode}, trees of <= {t.nodes} nodes, depth <= {t.depth}: {t.samples} samples, {t.tokens} "
+            f"tokens after the first, {len(t.steps)} steps: {len(verifies)} verifies "
+            f"({sum(a for _, a in verifies) / max(len(verifies), 1):.2f} accepted each, "
+            f"{sum(r - 1 for r, _ in verifies) / max(len(verifies), 1):.1f} nodes each), {plain} without drafts, "
+            f"{waited} waited for the token in flight; drafting {t.draft_ms:.3f} ms a call (this CPU); "
+            f"batch-1 decode speedup on the H200's step costs (session 16) {ahead_trace_speedup(t.steps, t.tokens):.2f}x, "
+            f"the H100's (session 17) {ahead_trace_speedup(t.steps, t.tokens, H100_S17_ROWS_MS, H100_S17_DECODE_MS):.2f}x")
