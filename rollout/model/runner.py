@@ -14,7 +14,7 @@ import torch
 
 from rollout.attention import shared_prefix
 from rollout.attention.base import AttentionBackend
-from rollout.device import to_device
+from rollout.device import to_device, upload
 from rollout.model.cuda_graph import DecodeGraphs
 from lora.segments import plan_segments
 from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
@@ -245,28 +245,27 @@ class ModelRunner:
         """`row_lens`: new tokens per attention row when rows are not the batch's requests
         (a verify step as decode rows: all decodes)."""
         extend_lens = list(batch.extend_lens) if row_lens is None else row_lens
-        qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        qo_indptr[1:] = torch.tensor(extend_lens, dtype=torch.int32).cumsum(0)
-        kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
-        dev = self.device
-
-        def to_dev(t: torch.Tensor) -> torch.Tensor:
-            return to_device(t, dev)
-
+        qo_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(extend_lens, dtype=np.int32, out=qo_indptr[1:])
+        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(seq_lens, dtype=np.int32, out=kv_indptr[1:])
         lora = self._lora_inputs(batch, len(input_ids)) if self.lora is not None else None
-        input_ids = to_dev(input_ids)
-        if inflight:  # tokens sampled last step, not yet seen by the host
-            at, rows = torch.tensor(inflight, dtype=torch.int64).T
-            input_ids[to_dev(at)] = self.last_tokens[to_dev(rows)]
+        parts = [t.numpy() for t in (input_ids, positions, out_cache_loc, kv_indices, logits_indices)]
+        if inflight:  # tokens sampled last step, not yet seen by the host: where they go, whose they are
+            parts += list(np.asarray(inflight, dtype=np.int64).T)
+        # the step's metadata in one host-to-device copy (a step without overlap waits for it)
+        input_ids, positions, out_cache_loc, kv_indices, logits_indices, qo, kv, *fed = upload(
+            parts[:5] + [qo_indptr, kv_indptr] + parts[5:], self.device)
+        if fed:
+            input_ids[fed[0]] = self.last_tokens[fed[1]]
         return ForwardBatch(
             input_ids=input_ids,
-            positions=to_dev(positions),
-            out_cache_loc=to_dev(out_cache_loc),
-            qo_indptr=to_dev(qo_indptr),
-            kv_indptr=to_dev(kv_indptr),
-            kv_indices=to_dev(kv_indices),
-            logits_indices=to_dev(logits_indices),
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            qo_indptr=qo,
+            kv_indptr=kv,
+            kv_indices=kv_indices,
+            logits_indices=logits_indices,
             extend_lens=extend_lens,
             seq_lens=seq_lens,
             num_decode=batch.num_decode if row_lens is None else len(row_lens),
