@@ -107,13 +107,21 @@ def build(index: ContinuationIndex, context: Sequence[int], max_depth: int, max_
     expand(-1, 1.0, [], 1.0)
     while heap and rows < max_nodes:
         neg, _, parent, token, depth, prob = heapq.heappop(heap)
+        if token < 0:  # a node's children, wanted now: look them up
+            expand(parent, -neg, paths[parent], prob)
+            continue
         path = (paths[parent] if parent >= 0 else []) + [token]
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.probs.append(prob)
         paths.append(path)
         rows += depth > free
-        expand(len(tree) - 1, -neg, path, prob)
+        # Its children are looked up only when they could be next: none scores above the node
+        # (the first child's factor is 1), so an entry at its score stands for them until
+        # then. The nodes taken last never pay for a look-up (the drafting is host time a
+        # verify step waits for).
+        heapq.heappush(heap, (neg, tie, len(tree) - 1, -1, depth, prob))
+        tie += 1
     return tree
 
 
