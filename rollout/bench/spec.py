@@ -59,6 +59,17 @@ def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: in
 H200_TREE_MS: dict[int, float] = {9: 5.63, 17: 6.03, 25: 6.06, 33: 6.49, 48: 6.52}
 
 
+def _rows_ms(rows: int, table: dict[int, float]) -> float:
+    """`table` (rows -> ms) at `rows`: linear between its measured widths, NaN past the widest."""
+    widths = sorted(table)
+    if rows > widths[-1]:
+        return float("nan")
+    hi = next(w for w in widths if w >= rows)
+    lo = max(w for w in widths if w <= rows)
+    t = 0.0 if hi == lo else (rows - lo) / (hi - lo)
+    return (1 - t) * table[lo] + t * table[hi]
+
+
 def verify_ms(rows: int) -> float:
     """A batch-1 verify step of `rows` rows (1 + drafts, or 1 + tree nodes): the chain table
     up to its widest, then the tree table (linear between its measured widths); NaN past the
@@ -66,15 +77,7 @@ def verify_ms(rows: int) -> float:
     verify = H200_STEP_MS[1][1]
     if rows - 1 <= len(verify):
         return verify[rows - 2]
-    widths = sorted(H200_TREE_MS)
-    if rows > widths[-1]:
-        return float("nan")
-    hi = next(w for w in widths if w >= rows)
-    lo = max(w for w in widths if w <= rows)
-    if hi == lo:
-        return H200_TREE_MS[lo]
-    t = (rows - lo) / (hi - lo)
-    return (1 - t) * H200_TREE_MS[lo] + t * H200_TREE_MS[hi]
+    return _rows_ms(rows, H200_TREE_MS)
 
 
 # The same call's batch-1 steps as one table, rows -> ms with overlap off (1 row: plain decode;
@@ -88,16 +91,6 @@ H200_S16_DECODE_MS = 4.36
 H100_S17_ROWS_MS: dict[int, float] = {1: 6.04, 2: 6.66, 3: 6.78, 4: 6.72, 5: 6.90, 6: 6.90, 7: 6.91, 8: 6.90, 9: 7.01,
                                       17: 7.43, 33: 7.91, 48: 7.95}
 H100_S17_DECODE_MS = 5.81
-
-
-def _rows_ms(rows: int, table: dict[int, float]) -> float:
-    widths = sorted(table)
-    if rows > widths[-1]:
-        return float("nan")
-    hi = next(w for w in widths if w >= rows)
-    lo = max(w for w in widths if w <= rows)
-    t = 0.0 if hi == lo else (rows - lo) / (hi - lo)
-    return (1 - t) * table[lo] + t * table[hi]
 
 
 def ahead_trace_speedup(steps, tokens: int, table: dict[int, float] = H200_S16_ROWS_MS,
