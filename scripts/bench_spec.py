@@ -327,7 +327,8 @@ def gpu(args) -> None:
     if args.profile_verify:
         from rollout.bench.spec_profile import run as profile_verify
 
-        profile_verify(engine, prompts[batches[0]], fixed, args.profile_verify, host_top=args.profile_host)
+        profile_verify(engine, prompts[batches[0]], fixed, args.profile_verify, host_top=args.profile_host,
+                       make_tree=tree, tree_nodes=tuple(args.tree_nodes or ()))
     del engine
     torch.cuda.empty_cache()
     if not args.draft_model:
@@ -422,7 +423,8 @@ def main() -> None:
     parser.add_argument("--no-draft-model", dest="draft_model", action="store_false",
                         help="--gpu: leave out the 0.6B draft model's table")
     parser.add_argument("--profile-verify", type=int, default=0, metavar="K",
-                        help="--gpu: profile decode and verify k = K steps at the first batch (rollout/bench/spec_profile.py)")
+                        help="--gpu: profile decode and verify k = K steps at the first batch, and trees of each "
+                             "--tree-nodes N at depth <= K (rollout/bench/spec_profile.py)")
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="--profile-verify: also the N Python functions of most own time (cProfile)")
     parser.add_argument("--small-decode-rows", type=int, default=None, metavar="R",
