@@ -157,7 +157,12 @@ class KVPool:
         self.target(layer_id, slots).write(k, v)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's KV from slots `src` to slots `dst` (forking a partial page)."""
+        """Copy every layer's KV from slots `src` to slots `dst` (CPU int tensors): a fork's
+        partial page, a draft tree's accepted path. No move may read a slot an earlier move
+        writes. On the GPU one launch for all layers (kernels/kv_copy.py says why)."""
+        if kernels.use_fused(self.k_buffers[0]):
+            kernels.kv_copy.copy_slots([*self.k_buffers, *self.v_buffers], src, dst)
+            return
         for k, v in zip(self.k_buffers, self.v_buffers):
             k[dst] = k[src]
             v[dst] = v[src]

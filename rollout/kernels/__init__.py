@@ -2,7 +2,8 @@
 add and SiLU-and-mul in `rollout.kernels.fused`, the rotary embedding and the KV store in
 `rollout.kernels.rotary` (Triton); the torch code in `rollout.model.llama` is both the CPU
 path and their reference. Beside them,
-`rollout.kernels.finite`: the one-launch NaN/Inf check of a weight update's tensors, and
+`rollout.kernels.finite`: the one-launch NaN/Inf check of a weight update's tensors,
+`rollout.kernels.kv_copy`: KV slots copied in every layer in one launch, and
 `rollout.kernels.skinny`: the projections' matmul at a batch-1 decode's one row (`linear`
 below picks it; F.linear is its reference).
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from rollout.cache.kv_pool import KVTarget
     from rollout.kernels.low_rank import LowRank
     from rollout.kernels import finite as finite
+    from rollout.kernels import kv_copy as kv_copy
     from rollout.kernels import fused as fused
     from rollout.kernels import rotary as rotary
     from rollout.kernels import skinny as skinny
@@ -134,9 +136,9 @@ def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy `kernels.fused` / `finite` / `rotary` / `skinny` (PEP 562): importing the model never imports
+    # Lazy `kernels.fused` / `finite` / `kv_copy` / `rotary` / `skinny` (PEP 562): importing the model never imports
     # triton. After the first access the submodule is a real attribute and this hook is not
     # called again.
-    if name in ("fused", "finite", "rotary", "skinny"):
+    if name in ("fused", "finite", "kv_copy", "rotary", "skinny"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
