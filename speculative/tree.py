@@ -49,13 +49,18 @@ class DraftTree:
     def follow(self, future: Sequence[int]) -> list[int]:
         """The longest root path whose tokens are `future`'s first ones (what verification
         accepts when the target draws `future`)."""
+        return [self.tokens[i] for i in self.follow_nodes(future)]
+
+    def follow_nodes(self, future: Sequence[int]) -> list[int]:
+        """That path's node indices. Where the j-th is not j the path left the leading chain,
+        and the engine moves its KV into position order (step.py `_compact_path`)."""
         path: list[int] = []
         at = -1
         for token in future:
             nxt = next((i for i in range(len(self.tokens)) if self.parents[i] == at and self.tokens[i] == token), None)
             if nxt is None:
                 break
-            path.append(token)
+            path.append(nxt)
             at = nxt
         return path
 

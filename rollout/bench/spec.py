@@ -101,7 +101,7 @@ def ahead_trace_speedup(steps, tokens: int, table: dict[int, float] = H200_S16_R
     decoding with overlap on) where it was launched before the step it follows was read;
     against plain decoding for the same tokens. The H200's session-16 table by default."""
     gap = table[1] - decode_ms
-    cost = sum(_rows_ms(rows, table) - (0.0 if waited else gap) for rows, _, waited in steps)
+    cost = sum(_rows_ms(rows, table) - (0.0 if waited else gap) for rows, _, waited, *_ in steps)
     return tokens * decode_ms / cost if cost else 1.0
 
 

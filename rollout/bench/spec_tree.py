@@ -144,9 +144,11 @@ def _by_size(t: TreeTrace) -> str:
 @dataclass(frozen=True)
 class AheadTrace:
     """A batch-1 trace replayed step by step on the host, for the cost of each step as the
-    engine would launch it: `steps` holds (rows, accepted, waited) per step, rows 1 for a
-    step without drafts, `waited` whether the host read the device's last token before
-    launching it (the device idles while the host drafts and launches: no overlap)."""
+    engine would launch it: `steps` holds (rows, accepted, waited, moved) per step, rows 1 for
+    a step without drafts, `waited` whether the host read the device's last token before
+    launching it (the device idles while the host drafts and launches: no overlap), `moved`
+    the accepted drafts off the tree's leading chain, whose KV the engine moves into position
+    order after the step (step.py `_compact_path`)."""
 
     # "drain": a step that may draft waits for the token in flight; "ahead:E": it drafts ahead
     # of it where the ahead tree expects at least E accepted drafts, else runs plain;
@@ -156,7 +158,7 @@ class AheadTrace:
     nodes: int
     samples: int
     tokens: int
-    steps: tuple[tuple[int, int, bool], ...]
+    steps: tuple[tuple[int, int, bool, int], ...]
     draft_ms: float  # host ms per drafting call (propose_tree / propose_tree_ahead), this CPU
 
 
@@ -198,7 +200,7 @@ def batch1_ahead_trace(drafter, futures, depth: int, nodes: int, mode: str) -> A
     trial = copy.deepcopy(drafter)
     kind, _, at_least = mode.partition(":")
     least = float(at_least or 0)
-    steps: list[tuple[int, int, bool]] = []
+    steps: list[tuple[int, int, bool, int]] = []
     tokens = 0
     seconds, calls = 0.0, 0
     for i, (prompt, params, future) in enumerate(futures):
@@ -228,9 +230,9 @@ def batch1_ahead_trace(drafter, futures, depth: int, nodes: int, mode: str) -> A
                 tree = DraftTree(*trial.propose_tree(req, k, nodes))
                 seconds, calls = seconds + time.perf_counter() - start, calls + 1
             rows = 1 + len(tree)
-            path = tree.follow(future[pos:])
+            path = tree.follow_nodes(future[pos:])
             emitted = min(len(path) + 1, n - pos)
-            steps.append((rows, emitted - 1, waited))
+            steps.append((rows, emitted - 1, waited, sum(node != j for j, node in enumerate(path[: emitted - 1]))))
             pos += emitted
             # a verify is read before the next step drafts; a plain step's token is in flight
             # while the next one launches (the host has read the one before it)
@@ -243,13 +245,14 @@ def batch1_ahead_trace(drafter, futures, depth: int, nodes: int, mode: str) -> A
 def ahead_summary(t: AheadTrace) -> str:
     from rollout.bench.spec import H100_S17_DECODE_MS, H100_S17_ROWS_MS, ahead_trace_speedup
 
-    verifies = [(r, a) for r, a, _ in t.steps if r > 1]
+    verifies = [(r, a) for r, a, *_ in t.steps if r > 1]
     plain = len(t.steps) - len(verifies)
-    waited = sum(w for _, _, w in t.steps)
+    waited = sum(w for _, _, w, *_ in t.steps)
+    moving = sum(1 for *_, moved in t.steps if moved)
     return (f"batch 1, {t.mode}, trees of <= {t.nodes} nodes, depth <= {t.depth}: {t.samples} samples, {t.tokens} "
             f"tokens after the first, {len(t.steps)} steps: {len(verifies)} verifies "
             f"({sum(a for _, a in verifies) / max(len(verifies), 1):.2f} accepted each, "
             f"{sum(r - 1 for r, _ in verifies) / max(len(verifies), 1):.1f} nodes each), {plain} without drafts, "
-            f"{waited} waited for the token in flight; drafting {t.draft_ms:.3f} ms a call (this CPU); "
+            f"{waited} waited for the token in flight, {moving} verifies moved KV; drafting {t.draft_ms:.3f} ms a call (this CPU); "
             f"batch-1 decode speedup on the H200's step costs (session 16) {ahead_trace_speedup(t.steps, t.tokens):.2f}x, "
             f"the H100's (session 17) {ahead_trace_speedup(t.steps, t.tokens, H100_S17_ROWS_MS, H100_S17_DECODE_MS):.2f}x")

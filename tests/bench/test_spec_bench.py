@@ -85,3 +85,28 @@ def test_successor_model_makes_greedy_decoding_a_fixed_walk() -> None:
             token = perm[token]
             walk.append(token)
         assert out.token_ids == walk
+
+
+def test_batch1_replay_counts_verifies_that_leave_the_leading_chain() -> None:
+    """The step-by-step replay (spec_tree.batch1_ahead_trace) on a prompt with two earlier
+    samples that branch: point-mass drafts chain the latest one, and a sample that takes the
+    older branch is accepted through the tree's other nodes, whose KV the engine then moves."""
+    from rollout import SamplingParams
+    from rollout.bench.spec_tree import batch1_ahead_trace
+    from rollout.request import Req
+
+    prompt = [1, 2, 3, 4]
+    older = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    newer = [10, 11, 12, 13, 24, 25, 26, 27, 28, 29]
+    params = SamplingParams(temperature=0, max_new_tokens=len(older), ignore_eos=True)
+    drafter = SuffixDrafter(8, 1 << 20, 1 << 20, coupled=False)
+    for i, response in enumerate((older, newer)):
+        req = Req(rid=f"earlier{i}", prompt_ids=prompt, params=params, seed=0)
+        req.output_ids = list(response)
+        drafter.observe_finished(req)
+    for future, moves in ((newer, False), (older, True)):  # the chain follows the latest sample
+        trace = batch1_ahead_trace(drafter, [(prompt, params, list(future))], depth=8, nodes=16, mode="drain")
+        assert sum(a + 1 for r, a, *_ in trace.steps) == len(future) - 1, "every token after the first, once"
+        verifies = [(a, moved) for r, a, _, moved in trace.steps if r > 1]
+        assert verifies and all(moved <= a for a, moved in verifies)
+        assert any(moved for _, moved in verifies) == moves

@@ -58,6 +58,8 @@ def test_follow_is_the_longest_matching_root_path():
     assert tree.follow([3, 7, 9]) == [3, 7]
     assert tree.follow([9, 3]) == []
     assert tree.follow([]) == []
+    assert tree.follow_nodes([3, 7, 8, 11, 0]) == [0, 1, 3, 6]  # off the leading chain (0, 1, 2): KV moves
+    assert tree.follow_nodes([3, 4, 5, 6]) == [0, 2, 4]
     for seed in range(10):  # against every root path of a real tree
         index, context = _index(seed)
         tree = build(index, context, 5, 12, 2, DraftSpec(seed, 0, coupled=True))
