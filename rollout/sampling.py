@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout import kernels
-from rollout.device import to_device
+from rollout.device import upload
 from rollout.request import Req
 from rollout.structured.bitmask import TokenMask, apply_mask_
 
@@ -121,17 +122,25 @@ class SamplingBatch:
             none = torch.empty(0, device=device)
             return cls(none, none, none, none, none, none, none, True, False, False, max_top)
 
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=dtype), torch.device(device))
-
+        # the seven columns in one host-to-device copy (each its own cost the host ~20 us,
+        # which a verify step, not overlapped, waits for)
+        temperatures, top_ks_d, top_ps, min_ps, seeds, positions, greedy = upload([
+            np.array([x if x > 0 else 1.0 for x in temps], dtype=np.float32),
+            np.array(top_ks, dtype=np.int64),
+            np.array([p.top_p for p in params], dtype=np.float32),
+            np.array([p.min_p for p in params], dtype=np.float32),
+            np.array([r.seed for r in reqs], dtype=np.int64),
+            np.array([r.seq_len + (offsets[i] if offsets else 0) for i, r in enumerate(reqs)], dtype=np.int64),
+            np.array([x == 0 for x in temps], dtype=np.bool_),
+        ], torch.device(device))
         return cls(
-            temperatures=t([x if x > 0 else 1.0 for x in temps], torch.float32),
-            top_ks=t(top_ks, torch.int64),
-            top_ps=t([p.top_p for p in params], torch.float32),
-            min_ps=t([p.min_p for p in params], torch.float32),
-            seeds=t([r.seed for r in reqs], torch.int64),
-            positions=t([r.seq_len + (offsets[i] if offsets else 0) for i, r in enumerate(reqs)], torch.int64),
-            greedy=t([x == 0 for x in temps], torch.bool),
+            temperatures=temperatures,
+            top_ks=top_ks_d,
+            top_ps=top_ps,
+            min_ps=min_ps,
+            seeds=seeds,
+            positions=positions,
+            greedy=greedy,
             all_greedy=False,
             need_sort=any(p.temperature > 0 and (p.top_p < 1.0 or k < vocab_size) for p, k in zip(params, top_ks)),
             need_min_p=any(p.temperature > 0 and p.min_p > 0 for p in params),

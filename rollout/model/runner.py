@@ -249,13 +249,22 @@ class ModelRunner:
         np.cumsum(extend_lens, dtype=np.int32, out=qo_indptr[1:])
         kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
         np.cumsum(seq_lens, dtype=np.int32, out=kv_indptr[1:])
-        lora = self._lora_inputs(batch, len(input_ids)) if self.lora is not None else None
         parts = [t.numpy() for t in (input_ids, positions, out_cache_loc, kv_indices, logits_indices)]
+        plan = None
+        if self.lora is not None:  # LoRA segments: the step's rows grouped by adapter slot
+            plan = plan_segments([r.lora_slot for r in batch.reqs], batch.extend_lens, num_rows=len(input_ids),
+                                 num_segments=self.lora.num_slots)
+            parts += [plan.row_ids, plan.seg_indptr, plan.seg_slots]
         if inflight:  # tokens sampled last step, not yet seen by the host: where they go, whose they are
             parts += list(np.asarray(inflight, dtype=np.int64).T)
         # the step's metadata in one host-to-device copy (a step without overlap waits for it)
-        input_ids, positions, out_cache_loc, kv_indices, logits_indices, qo, kv, *fed = upload(
+        input_ids, positions, out_cache_loc, kv_indices, logits_indices, qo, kv, *rest = upload(
             parts[:5] + [qo_indptr, kv_indptr] + parts[5:], self.device)
+        lora = None
+        if plan is not None:
+            lora = LoraInputs(rest[0], rest[1], rest[2], plan.num_lora_rows)
+            rest = rest[3:]
+        fed = rest
         if fed:
             input_ids[fed[0]] = self.last_tokens[fed[1]]
         return ForwardBatch(
@@ -273,15 +282,6 @@ class ModelRunner:
             shared=shared,
             slot_rows=slot_rows,
         )
-
-    def _lora_inputs(self, batch: ScheduledBatch, num_tokens: int) -> LoraInputs:
-        """The step's rows grouped by adapter slot, shipped in one host-to-device copy."""
-        assert self.lora is not None
-        plan = plan_segments([r.lora_slot for r in batch.reqs], batch.extend_lens, num_rows=num_tokens,
-                             num_segments=self.lora.num_slots)
-        packed = to_device(torch.from_numpy(np.concatenate([plan.row_ids, plan.seg_indptr, plan.seg_slots])), self.device)
-        t, s = num_tokens, self.lora.num_slots
-        return LoraInputs(packed[:t], packed[t : t + s + 1], packed[t + s + 1 :], plan.num_lora_rows)
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
         """Remember each row's newest sampled token on the device."""
