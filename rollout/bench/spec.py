@@ -94,14 +94,17 @@ H100_S17_DECODE_MS = 5.81
 
 
 def ahead_trace_speedup(steps, tokens: int, table: dict[int, float] = H200_S16_ROWS_MS,
-                        decode_ms: float = H200_S16_DECODE_MS) -> float:
+                        decode_ms: float = H200_S16_DECODE_MS, move_ms: float = 0.0) -> float:
     """Batch-1 decode speedup from a replayed trace (spec_tree.batch1_ahead_trace): each
-    (rows, accepted, waited) step at the table's cost for its rows (overlap off: the step
-    waited for a read back), less the host gap (the table's 1 row against `decode_ms`, plain
-    decoding with overlap on) where it was launched before the step it follows was read;
-    against plain decoding for the same tokens. The H200's session-16 table by default."""
+    (rows, accepted, waited[, moved]) step at the table's cost for its rows (overlap off: the
+    step waited for a read back), less the host gap (the table's 1 row against `decode_ms`,
+    plain decoding with overlap on) where it was launched before the step it follows was
+    read, plus `move_ms` for a verify whose accepted path left the tree's leading chain (the
+    KV move after it, which the table's fixed trees never make); against plain decoding for
+    the same tokens. The H200's session-16 table by default."""
     gap = table[1] - decode_ms
-    cost = sum(_rows_ms(rows, table) - (0.0 if waited else gap) for rows, _, waited, *_ in steps)
+    cost = sum(_rows_ms(rows, table) - (0.0 if waited else gap) + (move_ms if rest and rest[0] else 0.0)
+               for rows, _, waited, *rest in steps)
     return tokens * decode_ms / cost if cost else 1.0
 
 

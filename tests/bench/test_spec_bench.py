@@ -110,3 +110,17 @@ def test_batch1_replay_counts_verifies_that_leave_the_leading_chain() -> None:
         verifies = [(a, moved) for r, a, _, moved in trace.steps if r > 1]
         assert verifies and all(moved <= a for a, moved in verifies)
         assert any(moved for _, moved in verifies) == moves
+
+
+def test_replayed_steps_cost_their_rows_waits_and_moves() -> None:
+    from rollout.bench.spec import ahead_trace_speedup
+
+    table, decode = {1: 5.0, 9: 6.0, 17: 7.0}, 4.0
+    # a waited verify of 9 rows, a plain step launched ahead (less the 1 ms gap), a waited
+    # verify of 17 rows whose path moved KV: 10 tokens against plain decoding's 4 ms each
+    steps = [(9, 3, True, 0), (1, 0, False, 0), (17, 4, True, 2)]
+    assert ahead_trace_speedup(steps, 10, table, decode) == pytest.approx(40 / (6 + 4 + 7))
+    assert ahead_trace_speedup(steps, 10, table, decode, move_ms=1.5) == pytest.approx(40 / (6 + 4 + 7 + 1.5))
+    assert ahead_trace_speedup([s[:3] for s in steps], 10, table, decode, move_ms=1.5) == \
+        pytest.approx(40 / 17), "traces saved before moves were counted: no move cost"
+    assert ahead_trace_speedup([(13, 2, True, 0)], 3, table, decode) == pytest.approx(12 / 6.5), "rows interpolate"
