@@ -148,3 +148,27 @@ def test_trees_beside_chunked_prefills_equal_plain_decoding(llama: TinyModel, mo
     assert sum(met) > 0, "no prompt's last token was scheduled beside drafts"
     engine.flush_cache()
     assert engine.kv.used_slots() == 0
+
+
+def test_trees_and_forks_with_kv_moves_in_one_kernel_equal_plain_decoding(llama: TinyModel, monkeypatch) -> None:
+    """The GPU's KV move (rollout/kernels/kv_copy.py: one launch, moves in order) under the
+    interpreter, in place of the torch copy: the tree paths' moves and the forks' partial pages
+    give plain decoding's tokens."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from rollout.cache.kv_pool import KVPool
+    from rollout.kernels import kv_copy
+
+    prompts = make_prompts(llama.vocab_size, [6, 10], seed=82)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=7, n=3, ignore_eos=True)
+    want, plain = _plain(Engine(EngineConfig(model=llama.path, page_size=4)), prompts, params)
+    engine = _tree_engine(llama, plain, page_size=4)
+    moves = []
+
+    def one_launch(pool, src, dst):
+        moves.append(len(src))
+        kv_copy.copy_slots([*pool.k_buffers, *pool.v_buffers], src, dst)
+
+    monkeypatch.setattr(KVPool, "copy_slots", one_launch)
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(moves) > 2 and engine.counters.accepted_tokens > engine.counters.verify_steps
