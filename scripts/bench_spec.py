@@ -398,9 +398,6 @@ def main() -> None:
                              "ahead of it (rollout/bench/spec_tree.py batch1_ahead_trace)")
     parser.add_argument("--batch1-ahead-least", type=float, nargs="*", default=[0.0], metavar="E",
                         help="--batch1-ahead: draft ahead only where the tree expects at least E accepted drafts")
-    parser.add_argument("--batch1-drain-least", type=float, nargs="*", default=[], metavar="P",
-                        help="--batch1-ahead: also replay with a step waiting for the token in flight only where "
-                             "the drafter's draft_next_chance is at least P")
     parser.add_argument("--batch1-save", default=None, metavar="PATH",
                         help="--batch1-ahead: write the replayed steps (rows, accepted, waited) as JSON")
     parser.add_argument("--batch1-tree-fallback", type=int, default=0, metavar="N",

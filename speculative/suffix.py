@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from rollout.request import Req
 from speculative.base import Drafter
-from speculative.choice import blended, walk
+from speculative.choice import walk
 from speculative.groups import History, PromptGroup
 from speculative.ngram import draft_spec, last_tokens
 from speculative.tree import build
@@ -68,24 +68,6 @@ class SuffixDrafter(Drafter):
         group = self._group_of(req)
         group.sync(req)
         return group.index.may_match_after(last_tokens(req, MIN_MATCH - 1), MIN_MATCH)
-
-    def draft_next_chance(self, req: Req) -> float:
-        """The estimated chance that `req` drafts after its token in flight: the blended
-        estimate of that token (what followed the context's longest matches, less the escape
-        for continuations never seen) summed over the values after which a match of MIN_MATCH
-        tokens has counts. `may_draft_next` asks whether any value would do; a step that
-        waits for the token on a slim chance loses overlap for a draft that rarely comes."""
-        group = self._group_of(req)
-        group.sync(req)
-        index = group.index
-        levels = index.matches(last_tokens(req, MAX_MATCH), 1)
-        if not levels:
-            return 0.0
-        tail = last_tokens(req, MIN_MATCH - 1)
-        q = blended(levels)
-        chance = sum(w for b, w in q.items() if index.counts([*tail, b]) is not None)
-        seen = sum(levels[0].values())
-        return chance * seen / (seen + 1)
 
     def tracked_requests(self) -> int:
         """Requests whose tokens are counted as running samples (0 once nothing runs: a

@@ -82,8 +82,8 @@ def grpo_epochs(args) -> None:
                 if args.batch1_ahead:
                     futures = plain_futures(engine, generate, task, step, args.new, args.batch1_samples)
                     for nodes in args.batch1_ahead:
-                        for mode in ["drain"] + [f"drain:{p}" for p in args.batch1_drain_least] \
-                                + [f"{m}:{e}" for e in args.batch1_ahead_least for m in ("ahead", "ahead-drain")]:
+                        for mode in ["drain"] + [f"{m}:{e}" for e in args.batch1_ahead_least
+                                                 for m in ("ahead", "ahead-drain")]:
                             ahead_traces.append(batch1_ahead_trace(engine.drafter, futures, k, nodes, mode))
                             print("  " + ahead_summary(ahead_traces[-1]), flush=True)
         problems = task.problems(step, config.prompts_per_step)

@@ -150,9 +150,8 @@ class AheadTrace:
     the accepted drafts off the tree's leading chain, whose KV the engine moves into position
     order after the step (step.py `_compact_path`)."""
 
-    # "drain": a step that may draft waits for the token in flight ("drain:P": where the
-    # drafter's draft_next_chance is at least P, else it runs plain); "ahead:E": it drafts
-    # ahead of it where the ahead tree expects at least E accepted drafts, else runs plain;
+    # "drain": a step that may draft waits for the token in flight; "ahead:E": it drafts ahead
+    # of it where the ahead tree expects at least E accepted drafts, else runs plain;
     # "ahead-drain:E": else waits as "drain" does
     mode: str
     depth: int
@@ -223,8 +222,7 @@ def batch1_ahead_trace(drafter, futures, depth: int, nodes: int, mode: str) -> A
                 seconds, calls = seconds + time.perf_counter() - start, calls + 1
                 if len(ahead) and sum(ahead.probs) >= least:
                     tree = ahead
-            if not waited and not len(tree) and kind != "ahead" and trial.may_draft_next(req) \
-                    and (kind != "drain" or not least or trial.draft_next_chance(req) >= least):
+            if not waited and not len(tree) and kind != "ahead" and trial.may_draft_next(req):
                 known = pos  # the step waits for the token in flight, then drafts with it
                 continue
             if waited and k > 0:

@@ -381,22 +381,3 @@ def test_may_match_after_is_exactly_whether_some_next_token_matches() -> None:
     first.num_inflight, first.num_computed_tokens = 1, 5
     assert not drafter.nothing_to_draft([first]), "a request's first decode step can draft too"
     assert drafter.nothing_to_draft([_req([1, 2, 3], [4])])
-
-
-def test_draft_next_chance_weighs_the_next_token_by_what_followed() -> None:
-    """SuffixDrafter.draft_next_chance: the blended estimate of the token in flight, summed
-    over the values after which the drafter would have a match (less the escape for unseen
-    continuations); 0 exactly where may_draft_next says no draft can come."""
-    suffix = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1 << 20)
-    for i, response in enumerate(([5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 3], [5, 4])):
-        done = _req([9], response, rid=f"done{i}")
-        done.finish_reason = "stop"
-        suffix.observe_finished(done)
-    # after (9, 5): 6 three times (then 7 or 3: a match), 4 once (a rollout's last token: none)
-    chance = suffix.draft_next_chance(_req([9], [5], rid="a"))
-    assert 0.0 < chance < 1.0 and suffix.may_draft_next(_req([9], [5], rid="a2"))
-    seen = 4
-    assert chance == pytest.approx(3 / 4 * seen / (seen + 1), rel=0.05), "6's share of what followed 5"
-    # after (9, 5, 6): 7 twice (then 8), 3 once (nothing after): more of the mass drafts on
-    assert suffix.draft_next_chance(_req([9], [5, 6], rid="b")) > 0.0
-    assert suffix.draft_next_chance(_req([9], [8], rid="c")) == 0.0 and not suffix.may_draft_next(_req([9], [8], rid="c2"))
