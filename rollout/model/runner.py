@@ -262,11 +262,9 @@ class ModelRunner:
             parts[:5] + [qo_indptr, kv_indptr] + parts[5:], self.device)
         lora = None
         if plan is not None:
-            lora = LoraInputs(rest[0], rest[1], rest[2], plan.num_lora_rows)
-            rest = rest[3:]
-        fed = rest
-        if fed:
-            input_ids[fed[0]] = self.last_tokens[fed[1]]
+            lora, rest = LoraInputs(*rest[:3], plan.num_lora_rows), rest[3:]
+        if rest:  # the in-flight tokens: fed from the device's last sampled token of each request row
+            input_ids[rest[0]] = self.last_tokens[rest[1]]
         return ForwardBatch(
             input_ids=input_ids,
             positions=positions,
