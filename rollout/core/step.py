@@ -300,8 +300,8 @@ class StepLoop:
     def _compact_path(self, req: Req, num_drafts: int, path: list[int]) -> None:
         """A tree's accepted drafts into position order: draft i's K/V was stored at the slot
         of position start + 1 + i (runner._prepare_rows), and the j-th accepted one belongs
-        at start + 1 + j. A parent precedes its children, so path[j] >= j: no move overwrites
-        a slot a later one reads (and copy_slots reads all its sources first)."""
+        at start + 1 + j. A parent precedes its children, so path[j] >= j: move j reads slot
+        path[j] >= j, past every slot the moves before it wrote (copy_slots' contract)."""
         moves = [(i, j) for j, i in enumerate(path) if i != j]
         if not moves:
             return
