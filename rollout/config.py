@@ -83,6 +83,9 @@ class EngineConfig:
     # survive a weight update (rollouts of the previous policy still draft well in RL)
     speculative_history_tokens: int = 4_000_000
     speculative_keep_history_on_update: bool = True
+    # suffix drafter: where a prompt's own samples never continued the context, draft from the
+    # earlier rollouts of other prompts under the same adapter namespace (speculative/suffix.py)
+    speculative_cross_prompt: bool = True
     # "ngram" / "suffix": verify a draft tree of up to this many nodes a request (several
     # continuations where earlier rollouts branch, speculative/tree.py) instead of a chain, in
     # steps whose rows the attention can take as per-row KV slot lists (the torch and Triton
@@ -161,6 +164,7 @@ class EngineConfig:
                              "model is given exactly when speculative='draft'")
         check_int(self.speculative_history_tokens, f + "speculative_history_tokens", min=0)
         check_bool(self.speculative_keep_history_on_update, f + "speculative_keep_history_on_update")
+        check_bool(self.speculative_cross_prompt, f + "speculative_cross_prompt")
         check_bool(self.speculative_governor, f + "speculative_governor")
         check_int(self.speculative_tree_nodes, f + "speculative_tree_nodes", min=0, max=64)
         if self.speculative_tree_nodes and self.speculative not in ("ngram", "suffix"):

@@ -405,6 +405,8 @@ def main() -> None:
     parser.add_argument("--batch1-fixed", action="store_true",
                         help="--grpo-epochs: also trace the chains with draft lengths held at k (no adaptation)")
     parser.add_argument("--k", type=int, default=4, help="--grpo-epochs: num_speculative_tokens")
+    parser.add_argument("--cross-prompt", choices=("on", "off"), default="on",
+                        help="--grpo-epochs: the suffix drafter's fallback on other prompts' rollouts")
     parser.add_argument("--governor", choices=("off", "on"), default="off",
                         help="--grpo-epochs: off drafts every step (the drafts' own acceptance)")
     parser.add_argument("--gpu-governor", action="store_true",

@@ -9,7 +9,8 @@ distribution, the tokens for a given seed and the log-probs are the target model
 - `ngram.NgramDrafter`: prompt lookup in the request's own tokens.
 - `suffix.SuffixDrafter`: suffix matches in the request, its running siblings (the other
   samples of its prompt) and earlier rollouts of the same prompt (a bounded history:
-  groups.py), all counted in one continuation index per prompt (index.py).
+  groups.py), all counted in one continuation index per prompt (index.py); where those never
+  continued the context, other prompts' earlier rollouts (one shared index per namespace).
 - `draft_model.DraftModelDrafter`: a small model sharing the tokenizer, with its own KV pool
   and decode graphs (draft_runner.py), synced by the same weight-update calls.
 
@@ -51,7 +52,8 @@ def make_drafter(config: EngineConfig, context_len: int, draft: DraftRunner | No
         from speculative.suffix import SuffixDrafter
 
         drafter = SuffixDrafter(config.num_speculative_tokens, context_len, config.speculative_history_tokens,
-                                keep_on_update=config.speculative_keep_history_on_update)
+                                keep_on_update=config.speculative_keep_history_on_update,
+                                cross_prompt=config.speculative_cross_prompt)
     drafter.tree_nodes = config.speculative_tree_nodes
     if not config.speculative_governor:
         drafter.governor = None

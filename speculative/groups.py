@@ -8,6 +8,13 @@ adapter's rollouts draft only for that adapter. The history is bounded in tokens
 recently used prompts lose theirs first) and per prompt (the newest HISTORY_PER_PROMPT
 responses); running members are not counted against it (the running batch bounds them).
 Whatever leaves (an evicted response, an aborted or retracted member) leaves the counts.
+
+The finished responses of every prompt under one namespace are also counted in one shared
+index (`History.shared`): what other prompts' rollouts said after the same few tokens, which
+the suffix drafter falls back on where the prompt's own samples have never continued its
+context (SuffixDecoding's global tree). It holds no prompts and no running members, and a
+response leaves it with its group, so it is bounded by the same history bound (its entries
+about double the index memory the bound stands for).
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ class AdapterGroup:
 
 
 class PromptGroup:
-    __slots__ = ("key", "prompt", "index", "members", "responses", "evicted")
+    __slots__ = ("key", "prompt", "index", "members", "responses", "evicted", "shared")
 
-    def __init__(self, key: Hashable, prompt: list[int], max_n: int) -> None:
+    def __init__(self, key: Hashable, prompt: list[int], max_n: int, shared: ContinuationIndex | None = None) -> None:
         self.key = key
+        self.shared = shared  # the namespace's cross-prompt index its finished responses join
         self.prompt = list(prompt)
         self.index = ContinuationIndex(max_n)
         self.index.add(self.prompt, 0, len(self.prompt))
@@ -75,6 +83,7 @@ class PromptGroup:
             self._count(req.output_ids, 0, done, add=False)
             return 0
         self.responses.append(list(req.output_ids[:done]))
+        self._count_shared(self.responses[-1], add=True)
         added = len(self.prompt) * (len(self.responses) == 1) + done
         if len(self.responses) > HISTORY_PER_PROMPT:
             added -= self.drop_oldest()
@@ -84,7 +93,21 @@ class PromptGroup:
         """Forget the oldest response; returns the history tokens freed."""
         response = self.responses.popleft()
         self._count(response, 0, len(response), add=False)
+        self._count_shared(response, add=False)
         return len(response) + len(self.prompt) * (not self.responses)
+
+    def leave_shared(self) -> None:
+        """The group is evicted: its responses leave the shared index (its own goes with it)."""
+        for response in self.responses:
+            self._count_shared(response, add=False)
+
+    def _count_shared(self, response: list[int], add: bool) -> None:
+        """A finished response into or out of the shared index, after the prompt's last max_n
+        tokens: a chat template's tail is the same for every prompt, so a response's first
+        tokens draft across prompts too. (The prompt's own tokens are not counted there.)"""
+        if self.shared is not None:
+            head = self.prompt[max(len(self.prompt) - self.shared.max_n, 0) :]
+            (self.shared.add if add else self.shared.remove)(head + response, len(head), len(head) + len(response))
 
     def _count(self, response: list[int], start: int, end: int, add: bool) -> None:
         """Response tokens [start, end) into or out of the index, with the max_n tokens
@@ -99,11 +122,13 @@ class PromptGroup:
 class History:
     """The prompt groups, least recently used first, and the history's token bound."""
 
-    def __init__(self, max_tokens: int, max_n: int) -> None:
+    def __init__(self, max_tokens: int, max_n: int, cross_prompt: bool = True) -> None:
         self.max_tokens = max_tokens
         self.max_n = max_n
         self.num_tokens = 0
         self._groups: OrderedDict[Hashable, PromptGroup] = OrderedDict()
+        # namespace -> the finished responses of all its prompts (None: no cross-prompt drafts)
+        self._shared: dict[Hashable, ContinuationIndex] | None = {} if cross_prompt else None
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -117,7 +142,8 @@ class History:
         key = prompt_key(req)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = PromptGroup(key, req.prompt_ids, self.max_n)
+            shared = None if self._shared is None else self._shared.setdefault(key[0], ContinuationIndex(self.max_n))
+            group = self._groups[key] = PromptGroup(key, req.prompt_ids, self.max_n, shared)
         else:
             self._groups.move_to_end(key)
         return group
@@ -142,6 +168,10 @@ class History:
             group.evicted = True
             del self._groups[group.key]
 
+    def shared(self, req: Req) -> ContinuationIndex | None:
+        """The cross-prompt index of the request's namespace (None: none, or not kept)."""
+        return None if self._shared is None else self._shared.get(prompt_key(req)[0])
+
     def responses(self, req: Req) -> list[list[int]]:
         group = self._groups.get(prompt_key(req))
         return list(group.responses) if group is not None else []
@@ -149,9 +179,15 @@ class History:
     def clear(self, lora_name: str | None = None) -> None:
         """Forget finished responses: every prompt's, or (lora_name) those made under that
         adapter only. Running members re-count into fresh groups."""
+        def cleared(namespace: Hashable) -> bool:
+            return lora_name is None or isinstance(namespace, AdapterGroup) and namespace.lora_name == lora_name
+
         for key, group in list(self._groups.items()):
-            if lora_name is None or isinstance(key[0], AdapterGroup) and key[0].lora_name == lora_name:
+            if cleared(key[0]):
                 self._evict(group)
+        if self._shared is not None:  # every group that counted into these was evicted just now
+            for namespace in [n for n in self._shared if cleared(n)]:
+                del self._shared[namespace]
 
     def _bound(self, spare: PromptGroup) -> None:
         """Drop least recently used prompts' histories until the bound holds (the prompt
@@ -170,5 +206,6 @@ class History:
 
     def _evict(self, group: PromptGroup) -> None:
         self.num_tokens -= group.history_tokens
+        group.leave_shared()
         group.evicted = True
         del self._groups[group.key]

@@ -9,6 +9,13 @@ All of a prompt's candidate sequences share one ContinuationIndex (groups.py), s
 token costs one dict look-up per match length (MIN_MATCH..MAX_MATCH) whatever the number
 of siblings and earlier rollouts. (A suffix tree would match suffixes of any length; past
 ~8 tokens the match length adds little.)
+
+Where the prompt's own samples have never continued the context, the drafter falls back on
+the other prompts' earlier rollouts (`cross_prompt`; groups.py `History.shared`), as
+SuffixDecoding's global tree does: phrasing a policy repeats across prompts (" equals ",
+", which is") drafts there. On the second-epoch GRPO trace this drafts in 58 of the 83
+batch-1 steps that had no draft (BENCHMARKS.md, session 19). The fallback's trees are kept
+to SHARED_TREE_NODES: its matches are weaker, and each node is a verify row.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from speculative.tree import build
 
 MAX_MATCH = 8
 MIN_MATCH = 2
+SHARED_TREE_NODES = 8
 
 
 class SuffixDrafter(Drafter):
     def __init__(self, max_tokens: int, context_len: int, history_tokens: int, keep_on_update: bool = True,
-                 coupled: bool = True) -> None:
+                 coupled: bool = True, cross_prompt: bool = True) -> None:
         super().__init__(max_tokens, context_len)
-        self.history = History(history_tokens, MAX_MATCH)
+        self.history = History(history_tokens, MAX_MATCH, cross_prompt)
         self.keep_on_update = keep_on_update
         self.coupled = coupled  # False: point-mass drafts (the latest continuation), as before coupling
         self._live: dict[Req, PromptGroup] = {}  # running requests with output -> their prompt's group
@@ -56,18 +64,27 @@ class SuffixDrafter(Drafter):
     def propose(self, req: Req, k: int) -> list[int]:
         group = self._group_of(req)
         group.sync(req)
-        return walk(group.index, last_tokens(req, MAX_MATCH), k, MIN_MATCH, draft_spec(req, self.coupled))
+        context, spec = last_tokens(req, MAX_MATCH), draft_spec(req, self.coupled)
+        draft = walk(group.index, context, k, MIN_MATCH, spec)
+        if not draft and group.shared is not None:
+            draft = walk(group.shared, context, k, MIN_MATCH, spec)
+        return draft
 
     def propose_tree(self, req: Req, depth: int, nodes: int) -> tuple[list[int], list[int]]:
         group = self._group_of(req)
         group.sync(req)
-        tree = build(group.index, last_tokens(req, MAX_MATCH), depth, nodes, MIN_MATCH, draft_spec(req, self.coupled))
+        context, spec = last_tokens(req, MAX_MATCH), draft_spec(req, self.coupled)
+        tree = build(group.index, context, depth, nodes, MIN_MATCH, spec)
+        if not len(tree) and group.shared is not None:
+            tree = build(group.shared, context, depth, min(nodes, SHARED_TREE_NODES), MIN_MATCH, spec)
         return tree.tokens, tree.parents
 
     def may_draft_next(self, req: Req) -> bool:
         group = self._group_of(req)
         group.sync(req)
-        return group.index.may_match_after(last_tokens(req, MIN_MATCH - 1), MIN_MATCH)
+        tail = last_tokens(req, MIN_MATCH - 1)
+        return group.index.may_match_after(tail, MIN_MATCH) or (
+            group.shared is not None and group.shared.may_match_after(tail, MIN_MATCH))
 
     def tracked_requests(self) -> int:
         """Requests whose tokens are counted as running samples (0 once nothing runs: a

@@ -48,7 +48,8 @@ def grpo_epochs(args) -> None:
 
     path = str(fetch_default_model())
     engine = Engine(EngineConfig(model=path, speculative="suffix", page_size=16, seed=0,
-                                 num_speculative_tokens=args.k, speculative_governor=args.governor == "on"))
+                                 num_speculative_tokens=args.k, speculative_governor=args.governor == "on",
+                                 speculative_cross_prompt=args.cross_prompt == "on"))
     task = Epochs(ArithmeticTask(seed=0, system_prompt="Answer briefly."), args.dataset_size)
     config = GRPOConfig(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=args.new, temperature=1.0,
                         lr=args.lr, seed=0, samples_every=0)
@@ -114,7 +115,7 @@ def grpo_epochs(args) -> None:
     print(f"\niii: GRPO epochs on SmolLM2-135M-Instruct, fp32, CPU ({torch.get_num_threads()} threads): a dataset of "
           f"{args.dataset_size} arithmetic prompts, 8 x n=8 per step, T=1, up to {args.new} new tokens, full fine-tuning "
           f"(lr {args.lr}) and a sync after every step; suffix drafter, k <= {args.k}, governor {args.governor}, history "
-          "kept across updates")
+          f"kept across updates, other prompts' rollouts drafting {args.cross_prompt}")
     print(f"{'step':>4} | {'epoch':>5} | {'reward':>6} | {'len':>5} | {'plain tok/s':>11} | {'spec tok/s':>10} | "
           f"{'speedup':>7} | {'same':>4} | {'acc/verify':>10} | {'accept':>6} | {'acc/step':>8} | "
           f"{'H200 b1 / b64 (a/verify)':>24} | {'(a/step)':>12}")

@@ -12,7 +12,7 @@ from speculative.base import PAUSE_STEPS
 from speculative.groups import HISTORY_PER_PROMPT
 from speculative.index import ContinuationIndex
 from speculative.ngram import NgramDrafter
-from speculative.suffix import SuffixDrafter
+from speculative.suffix import SHARED_TREE_NODES, SuffixDrafter
 
 
 def _req(prompt: list[int], output: list[int], rid: str = "r", lora: str | None = None, max_new: int = 64) -> Req:
@@ -71,17 +71,15 @@ def test_draft_length_adapts_and_pauses() -> None:
     assert req.spec_k == 2
 
 
-def test_suffix_drafter_uses_siblings_and_history_of_the_same_prompt_only() -> None:
+def test_suffix_drafter_uses_siblings_and_history_of_the_same_prompt_first() -> None:
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=10_000)
     prompt = [50, 51, 52]
     done = _req(prompt, [10, 11, 12, 13, 14, 15], rid="earlier")
     drafter.observe_finished(done)  # an earlier rollout of this prompt
+    drafter.observe_finished(_req([70], [10, 11, 12, 40, 41, 42], rid="elsewhere"))  # another prompt's, newer
     req = _req(prompt, [10, 11, 12], rid="now")
     drafter.propose_all([req])
-    assert req.draft_tokens == [13, 14, 15]
-    other_prompt = _req([60, 61], [10, 11, 12], rid="other")
-    drafter.propose_all([other_prompt])
-    assert other_prompt.draft_tokens == []
+    assert req.draft_tokens == [13, 14, 15], "the prompt's own rollouts come first"
     under_adapter = _req(prompt, [10, 11, 12], rid="adapter", lora="a")
     drafter.propose_all([under_adapter])
     assert under_adapter.draft_tokens == [], "an adapter's rollouts are not the base model's"
@@ -91,25 +89,50 @@ def test_suffix_drafter_uses_siblings_and_history_of_the_same_prompt_only() -> N
     assert behind.draft_tokens == [22, 23, 24]
 
 
+@pytest.mark.parametrize("cross_prompt", [True, False])
+def test_suffix_drafter_falls_back_on_other_prompts_rollouts_where_its_own_never_continued(cross_prompt: bool) -> None:
+    """Only where the prompt's own index has no match, and (a tree as a chain) within
+    SHARED_TREE_NODES; `may_draft_next` says so too, or a step would not wait for its token."""
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=10_000, cross_prompt=cross_prompt)
+    drafter.observe_finished(_req([50, 51], [10, 11, 12, 13, 14, 15], rid="earlier"))
+    own = _req([60, 61], [7, 8, 9], rid="own-history")
+    drafter.observe_finished(own)
+    new = _req([60, 61], [10, 11, 12], rid="new")
+    drafter.propose_all([new])
+    assert new.draft_tokens == ([13, 14, 15] if cross_prompt else [])
+    assert drafter.may_draft_next(_req([60, 61], [10, 11], rid="next")) == cross_prompt
+    tokens, parents = drafter.propose_tree(_req([60, 61], [10, 11, 12], rid="tree"), 4, 32)
+    assert (tokens, parents) == (([13, 14, 15], [-1, 0, 1]) if cross_prompt else ([], []))
+    mine = _req([60, 61], [7, 8], rid="mine")
+    drafter.propose_all([mine])
+    assert mine.draft_tokens == [9], "the prompt's own history matched: no fallback"
+    nothing = _req([60, 61], [30, 31], rid="nothing")
+    drafter.propose_all([nothing])
+    assert nothing.draft_tokens == [] and not drafter.may_draft_next(nothing)
+    for i in range(40):  # a bushy shared index: the fallback tree stays small
+        drafter.observe_finished(_req([80 + i], [10, 11, 100 + i, 5], rid=f"bush{i}"))
+    tokens, _ = drafter.propose_tree(_req([60, 61], [3, 10, 11], rid="bushy"), 4, 32)
+    assert len(tokens) == (SHARED_TREE_NODES if cross_prompt else 0)
+
+
 def test_history_is_bounded_and_cleared_on_update_when_asked() -> None:
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=20)
     for i in range(5):  # five prompts of 1 + 8 tokens: the bound keeps the newest two
         drafter.observe_finished(_req([100 + i], list(range(8)), rid=f"p{i}"))
     history = drafter.history
     assert history.num_tokens <= 20 and history.responses(_req([100], [])) == [] and history.responses(_req([104], []))
-    for prompt, drafts in (([100], []), ([104], [4, 5, 6, 7])):  # the evicted prompt's counts left with it
-        req = _req(prompt, [0, 1, 2, 3], rid=f"after{prompt[0]}")
-        drafter.propose_all([req])
-        assert req.draft_tokens == drafts
+    assert history.group(_req([100], [])).index.counts((0, 1)) is None, "the evicted prompt's counts left with it"
+    assert history.shared(_req([100], [])).counts((0, 1)) == {2: 2}, "and left the shared index: two responses stay"
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000)
     for i in range(HISTORY_PER_PROMPT + 3):  # per prompt: the newest HISTORY_PER_PROMPT responses
         drafter.observe_finished(_req([7], [1, 2], rid=f"same{i}"))
     assert len(drafter.history.responses(_req([7], []))) == HISTORY_PER_PROMPT
     assert drafter.history.group(_req([7], [])).index.counts((7, 1)) == {2: HISTORY_PER_PROMPT}
+    assert drafter.history.shared(_req([7], [])).counts((1,)) == {2: HISTORY_PER_PROMPT}
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000, keep_on_update=False)
     drafter.observe_finished(_req([1], [2, 3, 4]))
     drafter.on_weight_update()
-    assert drafter.history.num_tokens == 0
+    assert drafter.history.num_tokens == 0 and drafter.history.shared(_req([1], [])) is None
     after = _req([1], [2, 3], rid="after")
     drafter.propose_all([after])
     assert after.draft_tokens == [], "cleared: the earlier rollout drafts no more"
@@ -133,6 +156,11 @@ def test_an_adapter_update_clears_that_adapters_history_only(keep: bool) -> None
     drafts = {}
     for lora in (None, "a", "b"):
         req = _req([1], [2, 3], rid=f"new-{lora}", lora=lora)
+        drafter.propose_all([req])
+        drafts[lora] = req.draft_tokens
+    assert drafts == {None: [4], "a": [4] if keep else [], "b": [4]}
+    for lora in (None, "a", "b"):  # another prompt: the fallback on each namespace's rollouts
+        req = _req([9], [2, 3], rid=f"other-{lora}", lora=lora)
         drafter.propose_all([req])
         drafts[lora] = req.draft_tokens
     assert drafts == {None: [4], "a": [4] if keep else [], "b": [4]}
