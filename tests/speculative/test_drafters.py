@@ -6,6 +6,8 @@ length policy and the governor."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rollout.request import Req, SamplingParams
 from speculative.base import PAUSE_STEPS
@@ -409,3 +411,33 @@ def test_may_match_after_is_exactly_whether_some_next_token_matches() -> None:
     first.num_inflight, first.num_computed_tokens = 1, 5
     assert not drafter.nothing_to_draft([first]), "a request's first decode step can draft too"
     assert drafter.nothing_to_draft([_req([1, 2, 3], [4])])
+
+
+_op = st.one_of(
+    st.tuples(st.just("finish"), st.integers(0, 5), st.sampled_from([None, "a"]),
+              st.lists(st.integers(0, 6), min_size=0, max_size=12)),
+    st.tuples(st.just("update"), st.just(0), st.sampled_from([None, "a"]), st.just([])),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_op, max_size=40), bound=st.integers(0, 60), keep=st.booleans())
+def test_the_shared_index_always_counts_exactly_the_kept_responses(ops, bound: int, keep: bool) -> None:
+    """Whatever finishes, is dropped (the per-prompt cap), evicted (the token bound) or
+    cleared (a weight or adapter update), each namespace's shared index holds the counts
+    of its kept responses, each after its prompt's tail, and nothing else."""
+    drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=bound, keep_on_update=keep)
+    history = drafter.history
+    for i, (kind, prompt, lora, output) in enumerate(ops):
+        if kind == "finish":
+            drafter.observe_finished(_req([90, 91, prompt], output, rid=f"r{i}", lora=lora))
+        else:
+            drafter.policy_changed(lora)
+        for namespace, shared in history._shared.items():
+            expected = ContinuationIndex(shared.max_n)
+            for group in history._groups.values():
+                if group.key[0] == namespace:
+                    head = group.prompt[-shared.max_n:]
+                    for response in group.responses:
+                        expected.add(head + response, len(head), len(head) + len(response))
+            assert {h: dict(c) for h, c in shared._next.items()} == {h: dict(c) for h, c in expected._next.items()}
