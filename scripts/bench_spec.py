@@ -277,7 +277,8 @@ def gpu(args) -> None:
     cfg = SHAPES[args.shape]
     path = write_shape_dir(args.shape)
     common = dict(dtype="bfloat16" if args.device.startswith("cuda") else "float32", device=args.device,
-                  load_format="dummy", page_size=16, max_running_requests=64, speculative_governor=False)
+                  load_format="dummy", page_size=16, max_running_requests=64, speculative_governor=False,
+                  shared_prefix_attention=args.shared_prefix)
     engine = Engine(EngineConfig(model=path, speculative="ngram", gpu_memory_fraction=0.5, **common))
     g = torch.Generator().manual_seed(0)
     batches = tuple(args.batches)
@@ -432,6 +433,9 @@ def main() -> None:
     parser.add_argument("--small-decode-rows", type=int, default=None, metavar="R",
                         help="GPU: decode graphs of at most R rows attend with the Triton kernel "
                              "(rollout.attention.SMALL_DECODE_ROWS; default: as the engine has it)")
+    parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
+                        help="--gpu: EngineConfig(shared_prefix_attention=False): a verify's rows each read the "
+                             "request's context (as before session 20)")
     parser.add_argument("--profile-draft", action="store_true", help="--gpu: cProfile a draft-model run at the first batch")
     parser.add_argument("--accepted", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0],
                         help="mean accepted lengths to turn GPU step costs into speedups (measure them on CPU)")

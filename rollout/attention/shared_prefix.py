@@ -1,11 +1,18 @@
 """Which decode rows share a KV prefix: the host side of shared-prefix attention (prefix_kernel.py).
 
-A request's first `num_prefix_tokens` KV slots are owned by the radix tree (rollout/cache/
-manager.py), so two requests share those slots exactly when their prefixes end at the same
-tree slot with the same length: a slot belongs to one node, and a node has one path from
-the root. n samples forked from one prompt, or the same prompt matched again from the
-cache, land in one group. Planned per step from host state alone (no device sync) and
-shipped in one host-to-device copy.
+Two kinds of rows share one:
+- Requests (`plan`). A request's first `num_prefix_tokens` KV slots are owned by the radix
+  tree (rollout/cache/manager.py), so two requests share those slots exactly when their
+  prefixes end at the same tree slot with the same length: a slot belongs to one node, and a
+  node has one path from the root. n samples forked from one prompt, or the same prompt
+  matched again from the cache, land in one group.
+- One request's rows (`plan_spans`). A step laid out as rows (ModelRunner._prepare_rows: a
+  verify's positions, a draft tree's nodes, a small prefill's tokens) gives each new token
+  a row whose KV starts with the request's slots before the step. A 47-node tree's 48 rows
+  each re-read that context: on an H100 at batch 1 their attention took 1.74 ms of an 8.07
+  ms verify step against 0.56 ms for a decode row (BENCHMARKS.md, speculative decoding,
+  session 20).
+Planned per step from host state alone (no device sync) and shipped in one host-to-device copy.
 """
 
 from __future__ import annotations
@@ -47,6 +54,25 @@ def group_rows(reqs: Sequence[Req], table: np.ndarray, members_max: int,
     return groups
 
 
+def group_spans(spans: Sequence[tuple[int, int, int]], members_max: int,
+                min_prefix: int | None = None) -> list[tuple[int, list[int]]]:
+    """(prefix length, rows) groups of each (prefix, first row, rows) span: a request's rows
+    first_row .. first_row + rows - 1, whose KV all start with the same `prefix` slots; in
+    chunks of at most members_max rows, >= 2 each."""
+    if members_max < 2:
+        return []
+    min_prefix = MIN_PREFIX_TOKENS if min_prefix is None else min_prefix
+    groups = []
+    for prefix, first, n in spans:
+        if prefix < min_prefix:
+            continue
+        for at in range(first, first + n, members_max):
+            chunk = list(range(at, min(at + members_max, first + n)))
+            if len(chunk) >= 2:
+                groups.append((prefix, chunk))
+    return groups
+
+
 def pack(groups: Sequence[tuple[int, Sequence[int]]], num_rows: int, device: torch.device) -> SharedPrefixes:
     """The device form of `groups` for a step of num_rows rows (one copy)."""
     g_max = SharedPrefixes.max_groups(num_rows)
@@ -78,8 +104,19 @@ def pack(groups: Sequence[tuple[int, Sequence[int]]], num_rows: int, device: tor
 def plan(reqs: Sequence[Req], table: np.ndarray, members_max: int, device: torch.device,
          min_shared: int | None = None) -> SharedPrefixes | None:
     """The step's groups, or None when they would save less than min_shared KV tokens."""
-    groups = group_rows(reqs, table, members_max)
+    return _worth(group_rows(reqs, table, members_max), len(reqs), device, min_shared)
+
+
+def plan_spans(spans: Sequence[tuple[int, int, int]], num_rows: int, members_max: int, device: torch.device,
+               min_shared: int | None = None) -> SharedPrefixes | None:
+    """Groups of each request's rows (`group_spans`) in a step of num_rows rows, or None when
+    they would save less than min_shared KV tokens."""
+    return _worth(group_spans(spans, members_max), num_rows, device, min_shared)
+
+
+def _worth(groups: list[tuple[int, list[int]]], num_rows: int, device: torch.device,
+           min_shared: int | None) -> SharedPrefixes | None:
     min_shared = MIN_SHARED_TOKENS if min_shared is None else min_shared
     if not groups or sum((len(rows) - 1) * p for p, rows in groups) < min_shared:
         return None
-    return pack(groups, len(reqs), device)
+    return pack(groups, num_rows, device)

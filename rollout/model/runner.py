@@ -187,7 +187,10 @@ class ModelRunner:
         A draft tree (req.draft_parents) lays its nodes out the same way: node i's K/V goes to
         the slot of position start + 1 + i, its rotary position is start + its depth, and its
         row's KV is the context, its ancestors' slots and its own (step.py moves the accepted
-        path's KV into position order afterwards)."""
+        path's KV into position order afterwards).
+
+        A request's rows all start with its slots before the step, so where the backend can,
+        they are grouped to read them once (shared_prefix.plan_spans)."""
         table = self.table_np
         input_ids: list[int] = []
         positions: list[int] = []
@@ -197,8 +200,11 @@ class ModelRunner:
         logits_indices: list[int] = []
         inflight: list[tuple[int, int]] = []
         slot_rows = False
+        spans: list[tuple[int, int, int]] = []  # (slots shared, first row, rows) of each request
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             row, start = table[req.req_pool_idx], req.num_computed_tokens
+            if n > 1:
+                spans.append((start, len(input_ids), n))
             if req.draft_parents is not None:
                 slot_rows = True
                 input_ids.append(req.output_ids[-1])
@@ -231,11 +237,16 @@ class ModelRunner:
             if batch.produces_token(i):  # one row per draft position, plus the last
                 logits_indices.extend(range(len(input_ids) - 1 - len(req.draft_tokens), len(input_ids)))
         rows = len(input_ids)
+        shared = None
+        if spans and self.share_prefixes and self.backend is not None:
+            members = self.backend.shared_prefix_rows()
+            if members > 1:
+                shared = shared_prefix.plan_spans(spans, rows, members, self.device)
         return self._finish(  # LoRA segments per request: its rows are contiguous, as in the extend layout
             torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
             torch.from_numpy(np.concatenate(out_locs)), torch.from_numpy(np.concatenate(kv_parts)),
             torch.tensor(logits_indices, dtype=torch.int64), batch, seq_lens, inflight, row_lens=[1] * rows,
-            slot_rows=slot_rows,
+            shared=shared, slot_rows=slot_rows,
         )
 
     def _finish(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,

@@ -134,6 +134,23 @@ def test_group_rows_by_tree_prefix() -> None:
     assert planned.row_skip.tolist() == [64, 80, 64, 0, 64, 80, 0, 0]
 
 
+def test_group_spans_groups_each_requests_rows() -> None:
+    """A step as rows (a verify, a draft tree, a small prefill): each request's rows share its
+    slots before the step, in chunks of at most members_max rows; a lone last row and a
+    prefix below MIN_PREFIX_TOKENS are left alone."""
+    spans = [(70, 0, 5), (64, 5, 1), (63, 6, 3), (100, 9, 4)]  # (prefix, first row, rows)
+    assert shared_prefix.group_spans(spans, members_max=8) == [(70, [0, 1, 2, 3, 4]), (100, [9, 10, 11, 12])]
+    assert shared_prefix.group_spans(spans, members_max=2) == [
+        (70, [0, 1]), (70, [2, 3]), (100, [9, 10]), (100, [11, 12])]  # row 4 alone: no group
+    assert shared_prefix.group_spans(spans, members_max=1) == []
+    assert shared_prefix.group_spans(spans, members_max=8, min_prefix=63)[1] == (63, [6, 7, 8])
+    cpu = torch.device("cpu")
+    assert shared_prefix.plan_spans(spans, 13, 8, cpu, min_shared=4 * 70 + 3 * 100 + 1) is None
+    planned = shared_prefix.plan_spans(spans, 13, 8, cpu, min_shared=4 * 70 + 3 * 100)
+    assert planned is not None and planned.num_groups == 2
+    assert planned.row_skip.tolist() == [70] * 5 + [0] * 4 + [100] * 4
+
+
 @pytest.fixture
 def low_thresholds(monkeypatch):
     # the tiny model's prompts are short: group any shared prefix of >= 8 tokens

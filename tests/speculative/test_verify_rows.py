@@ -131,14 +131,65 @@ def test_graph_twin_replays_tree_verify_steps(llama: TinyModel) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
 @pytest.mark.parametrize("attention", ["auto", "triton"])
-def test_real_graphs_verify_trees(llama: TinyModel, attention: str) -> None:
-    """Trees in real graphs: FlashInfer's up to SMALL_DECODE_ROWS rows attend with Triton."""
+@pytest.mark.parametrize("share", [True, False], ids=["context-once", "context-per-row"])
+def test_real_graphs_verify_trees(llama: TinyModel, attention: str, share: bool, monkeypatch) -> None:
+    """Trees in real graphs: FlashInfer's up to SMALL_DECODE_ROWS rows attend with Triton; with
+    `share` each request's rows read its context once (shared_prefix.plan_spans)."""
+    from rollout.attention import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the test's prompts are short
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
     prompts = _prompts(llama.vocab_size)[1:4]  # 3 requests x (1 + 8 nodes) rows: within SMALL_DECODE_ROWS
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=3, ignore_eos=True)
     engine, want = _tree_engine(llama, prompts, params, device="cuda", max_total_tokens=4096, cuda_graph_max_bs=64,
-                                attention=attention)
+                                attention=attention, shared_prefix_attention=share)
     replays = engine.runner.graphs.num_replays
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert engine.counters.accepted_tokens > engine.counters.verify_steps > 0 and engine.drafter.trees > 0
     assert engine.runner.graphs.num_replays > replays
+    assert (engine.runner.graphs.num_shared_replays > 0) == share
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU twin (Triton under the interpreter); on CUDA "
+                    "test_real_graphs_verify_trees runs the same grouping in real graphs")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager-rows", "graph-twin"])
+def test_tree_rows_read_their_context_once(llama: TinyModel, monkeypatch, graphs: bool) -> None:
+    """A tree verify's rows (and a chain verify's) all start with the request's slots before
+    the step: they are grouped to attend them once (shared_prefix.plan_spans), and the
+    tokens and log-probs are the ungrouped engine's."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from graph_twin import EagerDecodeGraphs
+    from rollout.attention import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the tiny model's prompts are short
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
+    prompts = make_prompts(llama.vocab_size, [12, 17], seed=93)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, ignore_eos=True)
+    outs = {}
+    for share in (True, False):
+        engine, want = _tree_engine(llama, prompts, params, attention="triton", page_size=16, cuda_graph=False)
+        engine.runner.share_prefixes = share
+        if graphs:
+            engine.runner.graphs = EagerDecodeGraphs(engine.model, engine.runner.backend, max_bs=18, max_context=64,
+                                                     device=engine.device)
+            engine.runner.graphs.sizes = [2, 9, 18]
+            engine.runner.graphs.capture()
+        backend, grouped = engine.runner.backend, []
+        attend = backend.attend
+
+        def spy(q, k, v, k_buf, v_buf, batch, out, attend=attend, backend=backend, grouped=grouped):
+            if batch.slot_rows and backend.shared is not None:
+                grouped.append(backend.shared.num_groups)
+            return attend(q, k, v, k_buf, v_buf, batch, out)
+
+        backend.attend = spy
+        outs[share] = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in outs[share]] == [o.token_ids for o in want]
+        assert engine.drafter.trees > 0
+        if graphs:  # (a replay attends the graph's static batch)
+            assert (engine.runner.graphs.num_shared_replays > 0) == share
+        else:
+            assert bool(grouped) == share, "tree rows grouped by their context exactly when sharing is on"
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
