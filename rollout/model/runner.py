@@ -189,8 +189,8 @@ class ModelRunner:
         row's KV is the context, its ancestors' slots and its own (step.py moves the accepted
         path's KV into position order afterwards).
 
-        A request's rows all start with its slots before the step, so where the backend can,
-        they are grouped to read them once (shared_prefix.plan_spans)."""
+        A request's rows all start with its slots before the step, so in a step of enough rows
+        and where the backend can, they are grouped to read them once (shared_prefix.plan_spans)."""
         table = self.table_np
         input_ids: list[int] = []
         positions: list[int] = []

@@ -145,10 +145,12 @@ def test_group_spans_groups_each_requests_rows() -> None:
     assert shared_prefix.group_spans(spans, members_max=1) == []
     assert shared_prefix.group_spans(spans, members_max=8, min_prefix=63)[1] == (63, [6, 7, 8])
     cpu = torch.device("cpu")
-    assert shared_prefix.plan_spans(spans, 13, 8, cpu, min_shared=4 * 70 + 3 * 100 + 1) is None
-    planned = shared_prefix.plan_spans(spans, 13, 8, cpu, min_shared=4 * 70 + 3 * 100)
+    rows = shared_prefix.SPAN_MIN_ROWS  # a step of fewer rows groups none (13 rows: none)
+    assert shared_prefix.plan_spans(spans, 13, 8, cpu, min_shared=1) is None
+    assert shared_prefix.plan_spans(spans, rows, 8, cpu, min_shared=4 * 70 + 3 * 100 + 1) is None
+    planned = shared_prefix.plan_spans(spans, rows, 8, cpu, min_shared=4 * 70 + 3 * 100)
     assert planned is not None and planned.num_groups == 2
-    assert planned.row_skip.tolist() == [70] * 5 + [0] * 4 + [100] * 4
+    assert planned.row_skip.tolist() == [70] * 5 + [0] * 4 + [100] * 4 + [0] * (rows - 13)
 
 
 @pytest.fixture

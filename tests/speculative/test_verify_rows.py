@@ -137,8 +137,9 @@ def test_real_graphs_verify_trees(llama: TinyModel, attention: str, share: bool,
     `share` each request's rows read its context once (shared_prefix.plan_spans)."""
     from rollout.attention import shared_prefix
 
-    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the test's prompts are short
+    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the test's prompts and steps are short
     monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(shared_prefix, "SPAN_MIN_ROWS", 2)
     prompts = _prompts(llama.vocab_size)[1:4]  # 3 requests x (1 + 8 nodes) rows: within SMALL_DECODE_ROWS
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=3, ignore_eos=True)
     engine, want = _tree_engine(llama, prompts, params, device="cuda", max_total_tokens=4096, cuda_graph_max_bs=64,
@@ -162,8 +163,9 @@ def test_tree_rows_read_their_context_once(llama: TinyModel, monkeypatch, graphs
     from graph_twin import EagerDecodeGraphs
     from rollout.attention import shared_prefix
 
-    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the tiny model's prompts are short
+    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the tiny model's prompts and steps are short
     monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(shared_prefix, "SPAN_MIN_ROWS", 2)
     prompts = make_prompts(llama.vocab_size, [12, 17], seed=93)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, ignore_eos=True)
     outs = {}
