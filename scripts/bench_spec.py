@@ -388,6 +388,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5, help="--grpo-epochs: the trainer's learning rate")
     parser.add_argument("--batch1-samples", type=int, default=32,
                         help="--grpo-epochs: samples run alone at the start of each later epoch (the batch-1 trace)")
+    parser.add_argument("--batch1-steps", type=int, default=1,
+                        help="--batch1-ahead: the replayed samples are --batch1-samples of each of this many steps' "
+                             "prompts (8 a step), from the epoch's first step on, all sampled before it trains")
     parser.add_argument("--batch1-epochs", type=int, default=1, help="--grpo-epochs: epochs (from the second) traced")
     parser.add_argument("--batch1-k", type=int, nargs="*", help="--grpo-epochs: the trace's draft limits (default: --k)")
     parser.add_argument("--batch1-tree", type=int, nargs="*", metavar="N",

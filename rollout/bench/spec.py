@@ -91,6 +91,11 @@ H200_S16_DECODE_MS = 4.36
 H100_S17_ROWS_MS: dict[int, float] = {1: 6.04, 2: 6.66, 3: 6.78, 4: 6.72, 5: 6.90, 6: 6.90, 7: 6.91, 8: 6.90, 9: 7.01,
                                       17: 7.43, 33: 7.91, 48: 7.95}
 H100_S17_DECODE_MS = 5.81
+# A verify whose accepted path left its tree's leading chain moves that path's KV into
+# position order (step.py `_compact_path`): one launch for every layer (rollout/kernels/
+# kv_copy.py), 0.13 ms host and device for 1-15 moved tokens on an H100 (`python -m
+# scripts.bench_kv_copy`, session 20, BENCHMARKS.md; the torch form it replaced: 2.3 ms).
+KV_MOVE_MS = 0.13
 
 
 def ahead_trace_speedup(steps, tokens: int, table: dict[int, float] = H200_S16_ROWS_MS,

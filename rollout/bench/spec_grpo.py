@@ -81,7 +81,8 @@ def grpo_epochs(args) -> None:
                                                              args.new, args.batch1_samples, k, nodes, fallback))
                         print("  " + tree_summary(tree_traces[-1]), flush=True)
                 if args.batch1_ahead:
-                    futures = plain_futures(engine, generate, task, step, args.new, args.batch1_samples)
+                    futures = [f for at in range(step, step + args.batch1_steps)  # (all from this epoch's first policy)
+                               for f in plain_futures(engine, generate, task, at, args.new, args.batch1_samples)]
                     for nodes in args.batch1_ahead:
                         for mode in ["drain"] + [f"{m}:{e}" for e in args.batch1_ahead_least
                                                  for m in ("ahead", "ahead-drain")]:

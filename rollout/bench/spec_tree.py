@@ -243,7 +243,8 @@ def batch1_ahead_trace(drafter, futures, depth: int, nodes: int, mode: str) -> A
 
 
 def ahead_summary(t: AheadTrace) -> str:
-    from rollout.bench.spec import H100_S17_DECODE_MS, H100_S17_ROWS_MS, ahead_trace_speedup
+    from rollout.bench.spec import (H100_S17_DECODE_MS, H100_S17_ROWS_MS, H200_S16_DECODE_MS, KV_MOVE_MS,
+                                    ahead_trace_speedup)
 
     verifies = [(r, a) for r, a, *_ in t.steps if r > 1]
     plain = len(t.steps) - len(verifies)
@@ -255,4 +256,16 @@ def ahead_summary(t: AheadTrace) -> str:
             f"{sum(r - 1 for r, _ in verifies) / max(len(verifies), 1):.1f} nodes each), {plain} without drafts, "
             f"{waited} waited for the token in flight, {moving} verifies moved KV; drafting {t.draft_ms:.3f} ms a call (this CPU); "
             f"batch-1 decode speedup on the H200's step costs (session 16) {ahead_trace_speedup(t.steps, t.tokens):.2f}x, "
-            f"the H100's (session 17) {ahead_trace_speedup(t.steps, t.tokens, H100_S17_ROWS_MS, H100_S17_DECODE_MS):.2f}x")
+            f"the H100's (session 17) {ahead_trace_speedup(t.steps, t.tokens, H100_S17_ROWS_MS, H100_S17_DECODE_MS):.2f}x; "
+            f"H200 with {KV_MOVE_MS} ms a KV move and the drafting time on every waited step "
+            f"{_charged(t, H200_S16_DECODE_MS, KV_MOVE_MS):.2f}x")
+
+
+def _charged(t: AheadTrace, decode_ms: float, move_ms: float) -> float:
+    """The H200 projection with each KV move and, on every step that waited for a read back,
+    this CPU's drafting time per call added (host time the device then waits for)."""
+    from rollout.bench.spec import ahead_trace_speedup
+
+    waited = sum(w for _, _, w, *_ in t.steps)
+    cost = t.tokens * decode_ms / ahead_trace_speedup(t.steps, t.tokens, move_ms=move_ms)
+    return t.tokens * decode_ms / (cost + waited * t.draft_ms)

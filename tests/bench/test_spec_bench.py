@@ -124,3 +124,14 @@ def test_replayed_steps_cost_their_rows_waits_and_moves() -> None:
     assert ahead_trace_speedup([s[:3] for s in steps], 10, table, decode, move_ms=1.5) == \
         pytest.approx(40 / 17), "traces saved before moves were counted: no move cost"
     assert ahead_trace_speedup([(13, 2, True, 0)], 3, table, decode) == pytest.approx(12 / 6.5), "rows interpolate"
+
+
+def test_charged_projection_adds_moves_and_drafting_on_waited_steps() -> None:
+    from rollout.bench.spec import H200_S16_DECODE_MS, H200_S16_ROWS_MS, ahead_trace_speedup
+    from rollout.bench.spec_tree import AheadTrace, _charged
+
+    steps = ((9, 3, True, 0), (1, 0, False, 0), (17, 4, True, 2), (1, 0, True, 0))
+    trace = AheadTrace("drain", 8, 16, 1, 10, steps, 0.5)
+    base = 10 * H200_S16_DECODE_MS / ahead_trace_speedup(steps, 10, H200_S16_ROWS_MS, H200_S16_DECODE_MS)
+    # one move of 0.2 ms (the 17-row verify's), drafting 0.5 ms on each of the 3 waited steps
+    assert _charged(trace, H200_S16_DECODE_MS, 0.2) == pytest.approx(10 * H200_S16_DECODE_MS / (base + 0.2 + 1.5))
