@@ -45,8 +45,9 @@ class EngineConfig:
     # attend that prefix once per group (rollout/attention/shared_prefix.py), where the
     # backend can (Triton decode; `auto` on CUDA). On, decode graphs get a variant with it per
     # size. H100 (8B shape, 64 prompts x n=8, 1024 in / 256 out): 13580-13636 against 12121
-    # tok/s without (BENCHMARKS.md, "Shared-prefix decode"). A verify step's rows (a draft
-    # tree's nodes, a chain's positions) read their request's context once per group too.
+    # tok/s without (BENCHMARKS.md, "Shared-prefix decode"). In steps of at least 49 rows a
+    # verify's rows (a chain's positions, a draft tree's nodes) read their request's context
+    # once per group too (shared_prefix.SPAN_MIN_ROWS).
     # False: each row reads its KV whole.
     shared_prefix_attention: bool = True
     # Schedule and launch step t+1 before reading step t's tokens back (the host work of one
