@@ -129,17 +129,22 @@ def test_graph_twin_replays_tree_verify_steps(llama: TinyModel) -> None:
     assert calls[0] > 0 and graphs.num_replays >= calls[0]
 
 
+@pytest.fixture
+def group_any_rows(monkeypatch):
+    """The tests' prompts and steps are short: group a verify's rows whatever their number."""
+    from rollout.attention import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(shared_prefix, "SPAN_MIN_ROWS", 2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
 @pytest.mark.parametrize("attention", ["auto", "triton"])
 @pytest.mark.parametrize("share", [True, False], ids=["context-once", "context-per-row"])
-def test_real_graphs_verify_trees(llama: TinyModel, attention: str, share: bool, monkeypatch) -> None:
+def test_real_graphs_verify_trees(llama: TinyModel, attention: str, share: bool, group_any_rows) -> None:
     """Trees in real graphs: FlashInfer's up to SMALL_DECODE_ROWS rows attend with Triton; with
     `share` each request's rows read its context once (shared_prefix.plan_spans)."""
-    from rollout.attention import shared_prefix
-
-    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the test's prompts and steps are short
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
-    monkeypatch.setattr(shared_prefix, "SPAN_MIN_ROWS", 2)
     prompts = _prompts(llama.vocab_size)[1:4]  # 3 requests x (1 + 8 nodes) rows: within SMALL_DECODE_ROWS
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=3, ignore_eos=True)
     engine, want = _tree_engine(llama, prompts, params, device="cuda", max_total_tokens=4096, cuda_graph_max_bs=64,
@@ -155,17 +160,12 @@ def test_real_graphs_verify_trees(llama: TinyModel, attention: str, share: bool,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU twin (Triton under the interpreter); on CUDA "
                     "test_real_graphs_verify_trees runs the same grouping in real graphs")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager-rows", "graph-twin"])
-def test_tree_rows_read_their_context_once(llama: TinyModel, monkeypatch, graphs: bool) -> None:
+def test_tree_rows_read_their_context_once(llama: TinyModel, group_any_rows, graphs: bool) -> None:
     """A tree verify's rows (and a chain verify's) all start with the request's slots before
     the step: they are grouped to attend them once (shared_prefix.plan_spans), and the
     tokens and log-probs are the ungrouped engine's."""
     pytest.importorskip("triton", reason="triton is not installed")
     from graph_twin import EagerDecodeGraphs
-    from rollout.attention import shared_prefix
-
-    monkeypatch.setattr(shared_prefix, "MIN_PREFIX_TOKENS", 8)  # the tiny model's prompts and steps are short
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
-    monkeypatch.setattr(shared_prefix, "SPAN_MIN_ROWS", 2)
     prompts = make_prompts(llama.vocab_size, [12, 17], seed=93)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, ignore_eos=True)
     outs = {}
