@@ -214,6 +214,9 @@ def main() -> None:
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
     parser.add_argument("--c-radix", nargs="+", default=["on", "off"], choices=["on", "off"],
                         help="(c)'s runs: with the radix cache, and the engine without it (its peer)")
+    parser.add_argument("--blas", nargs="+", default=["default"], choices=["default", "cublas", "cublaslt"],
+                        help="torch's BLAS for the matmuls (torch.backends.cuda.preferred_blas_library), set "
+                             "before each engine is built and its graphs captured")
     parser.add_argument("--small-decode-rows", nargs="+", type=int, default=[None],
                         help="decode graphs of at most this many rows attend with the Triton kernel, larger ones "
                              "with FlashInfer (rollout.attention.SMALL_DECODE_ROWS; default: the engine's)")
@@ -324,11 +327,15 @@ def main() -> None:
     runs = [(*run, skinny, rs, silu, rope, rows, small, share) for rs in args.rotary_store for silu in args.silu_epilogue
             for rope in args.rope_epilogue for skinny in args.skinny for rows in args.prefill_rows
             for small in args.small_decode_rows for share in args.share_prefixes for run in runs]
+    runs = [(*run, blas) for blas in args.blas for run in runs]
     import rollout.attention
 
     small_default = rollout.attention.SMALL_DECODE_ROWS
-    for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows, small, share in runs:
+    blas_default = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
+    for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows, small, share, blas in runs:
         rollout.attention.SMALL_DECODE_ROWS = small_default if small is None else small
+        if device.type == "cuda":
+            torch.backends.cuda.preferred_blas_library(blas_default if blas == "default" else blas)
         set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
                            silu=silu == "on", rope=rope == "on")
         try:
@@ -343,7 +350,7 @@ def main() -> None:
                  f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}"
                  f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}"
                  f"{f', Triton decode to {small} rows' if small is not None else ''}"
-                 f"{', prefixes unshared' if share == 'off' else ''}")
+                 f"{', prefixes unshared' if share == 'off' else ''}{f', {blas}' if blas != 'default' else ''}")
         graphs = engine.runner.graphs
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens, built in {started:.1f} s"
               f"{f' ({len(graphs.graphs)} decode graphs)' if graphs is not None else ''}", flush=True)

@@ -1,0 +1,96 @@
+"""The projections' matmuls at the row counts of a batch-256 decode step and a prefill chunk,
+through each BLAS path torch offers, against the device's matmul peak (issue #16 (a)/(d)).
+
+    python -m rollout.kernels.bench_gemm [--shape llama8b] [--rows 128 256 512 8192]  # GPU, bf16
+    python -m rollout.kernels.bench_gemm --device cpu                                 # smoke (tiny)
+
+At M = 256 a Llama-3.1-8B step's projections are compute-bound (3.6 TFLOP a step), and the
+profile of workload (a) put them at ~590 TFLOP/s against ~790 for an 8192^3 matmul
+(BENCHMARKS.md, "Where a batch-256 decode step goes"). This asks whether another path picks
+better kernels for those shapes:
+
+  cublas    F.linear with torch's default BLAS (cublasGemmEx: the engine's path)
+  cublaslt  F.linear with torch.backends.cuda.preferred_blas_library("cublaslt")
+  nn        x @ W^T with W^T stored [K, N] (a different cuBLAS layout, so other heuristics)
+
+Each projection gets one weight per layer (distinct memory, nothing served from L2), and a
+timing runs it once per layer inside one CUDA graph (what a decode graph replays), reported
+per call. Every variant's output is checked against fp32 first. Prints us and TFLOP/s per
+(projection, rows), then a step's projections summed per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rollout.bench.kernel_device import kernel_bench_device
+from rollout.kernels.bench_skinny import _us_per_call, projections
+
+VARIANTS = ("cublas", "cublaslt", "nn")
+
+
+def _set_blas(name: str, gpu: bool) -> None:
+    if gpu:  # a process-wide choice, read at each matmul call (and so at capture)
+        torch.backends.cuda.preferred_blas_library("cublaslt" if name == "cublaslt" else "cublas")
+
+
+def _call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    return x @ wt if variant == "nn" else F.linear(x, w)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default=None, help="rollout.model.shapes name (default llama8b; cpu: tiny)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--rows", type=int, nargs="+", default=None, help="M values (default 128 256 512 8192; cpu: 4 16)")
+    p.add_argument("--only", nargs="+", default=None, help="projections (default all)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    args = p.parse_args()
+    device, shape, dtype = kernel_bench_device(args.device, args.shape)
+    gpu = device.type == "cuda"
+    rows = args.rows or ([128, 256, 512, 8192] if gpu else [4, 16])
+    projs = {k: v for k, v in projections(shape).items() if args.only is None or k in args.only}
+    if gpu:
+        n = 8192
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        from triton.testing import do_bench
+
+        peak = 2 * n**3 / (float(do_bench(lambda: a @ b)) * 1e-3) / 1e12
+        del a, b
+        print(f"{shape}, {str(dtype).removeprefix('torch.')}; {n}^3 matmul {peak:.0f} TFLOP/s; torch's default BLAS "
+              f"{torch.backends.cuda.preferred_blas_library()}", flush=True)
+    print(f"{'proj':>8} {'N':>6} {'K':>6} {'M':>5} | " + " | ".join(f"{v:>17}" for v in args.variants))
+    totals: dict[int, dict[str, float]] = {m: dict.fromkeys(args.variants, 0.0) for m in rows}
+    for name, (n, k, copies) in projs.items():
+        layers = copies if gpu else 2
+        weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
+        transposed = [w.t().contiguous() for w in weights] if "nn" in args.variants else [None] * layers
+        for m in rows:
+            calls = layers if gpu and m * max(n, k) <= 1 << 28 else min(layers, 4)  # big M: fewer copies
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            ref = F.linear(x.float(), weights[0].float())
+            cells = []
+            for v in args.variants:
+                _set_blas(v, gpu)
+                y = _call(v, x, weights[0], transposed[0])
+                err = (y.float() - ref).abs().max().item()
+                assert err <= 2e-2 * ref.abs().max().item() + 1e-2, f"{name} M={m} {v}: max error {err}"
+                fn: Callable[[], object] = lambda v=v: [_call(v, x, w, t) for w, t in
+                                                        zip(weights[:calls], transposed[:calls])]
+                us = _us_per_call(fn, calls, gpu)
+                totals[m][v] += copies * us
+                cells.append(f"{us:8.1f} us {2 * m * n * k / us / 1e6:4.0f} TF")
+            print(f"{name:>8} {n:>6} {k:>6} {m:>5} | " + " | ".join(cells), flush=True)
+            del x, ref
+        del weights, transposed
+    _set_blas("cublas", gpu)
+    for m, per in totals.items():
+        print(f"a step's projections at M={m}: " + ", ".join(f"{v} {us / 1e3:.3f} ms" for v, us in per.items()))
+
+
+if __name__ == "__main__":
+    main()
