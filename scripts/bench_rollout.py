@@ -268,9 +268,9 @@ def main() -> None:
                 if w == "a":
                     prompts, out_len = rand_prompts(256, 512, g), 256
                     params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
-                    outs, secs, _, dms, gshare, comp = run_engine(engine, prompts, params)
+                    outs, secs, prefill, dms, gshare, comp = run_engine(engine, prompts, params)
                     record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512, comp,
-                           steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
+                           prefill, steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
                 elif w == "b":
                     params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
                     outs, secs, _, dms, gshare, comp = run_engine(engine, rand_prompts(1, 128, g), params)
