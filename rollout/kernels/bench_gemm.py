@@ -12,6 +12,8 @@ better kernels for those shapes:
   cublas    F.linear with torch's default BLAS (cublasGemmEx: the engine's path)
   cublaslt  F.linear with torch.backends.cuda.preferred_blas_library("cublaslt")
   nn        x @ W^T with W^T stored [K, N] (a different cuBLAS layout, so other heuristics)
+  bias0     F.linear with a zero bias: torch's addmm then takes cuBLASLt's gemm-and-bias path
+            without the process-wide switch (which would also change a colocated trainer's)
 
 Each projection gets one weight per layer (distinct memory, nothing served from L2), and a
 timing runs it once per layer inside one CUDA graph (what a decode graph replays), reported
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from rollout.bench.kernel_device import kernel_bench_device
 from rollout.kernels.bench_skinny import _us_per_call, projections
 
-VARIANTS = ("cublas", "cublaslt", "nn")
+VARIANTS = ("cublas", "cublaslt", "nn", "bias0")
 
 
 def _set_blas(name: str, gpu: bool) -> None:
@@ -38,8 +40,10 @@ def _set_blas(name: str, gpu: bool) -> None:
         torch.backends.cuda.preferred_blas_library("cublaslt" if name == "cublaslt" else "cublas")
 
 
-def _call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    return x @ wt if variant == "nn" else F.linear(x, w)
+def _call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    if variant == "nn":
+        return x @ wt
+    return F.linear(x, w, zero if variant == "bias0" else None)
 
 
 def main() -> None:
@@ -69,6 +73,7 @@ def main() -> None:
         layers = copies if gpu else 2
         weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
         transposed = [w.t().contiguous() for w in weights] if "nn" in args.variants else [None] * layers
+        zero = torch.zeros(n, device=device, dtype=dtype)
         for m in rows:
             calls = layers if gpu and m * max(n, k) <= 1 << 28 else min(layers, 4)  # big M: fewer copies
             x = torch.randn(m, k, device=device, dtype=dtype)
@@ -76,10 +81,10 @@ def main() -> None:
             cells = []
             for v in args.variants:
                 _set_blas(v, gpu)
-                y = _call(v, x, weights[0], transposed[0])
+                y = _call(v, x, weights[0], transposed[0], zero)
                 err = (y.float() - ref).abs().max().item()
                 assert err <= 2e-2 * ref.abs().max().item() + 1e-2, f"{name} M={m} {v}: max error {err}"
-                fn: Callable[[], object] = lambda v=v: [_call(v, x, w, t) for w, t in
+                fn: Callable[[], object] = lambda v=v: [_call(v, x, w, t, zero) for w, t in
                                                         zip(weights[:calls], transposed[:calls])]
                 us = _us_per_call(fn, calls, gpu)
                 totals[m][v] += copies * us
