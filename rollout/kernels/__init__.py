@@ -111,6 +111,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if low_rank is not None:
         raise ValueError(f"kernels.linear: a low-rank term needs the skinny kernel's one row, got x "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    if bias is None and zero_bias_lt and x.is_cuda and x.dtype != torch.float32:
+        bias = _zero_bias(weight)
     return F.linear(x, weight, bias)
 
 
