@@ -355,9 +355,12 @@ def main() -> None:
                  f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}"
                  f"{f', Triton decode to {small} rows' if small is not None else ''}"
                  f"{', prefixes unshared' if share == 'off' else ''}{f', {blas}' if blas != 'default' else ''}")
-        graphs = engine.runner.graphs
+        # no local name for the graphs: they hold the model and the KV pool, and a name left
+        # over kept the last engine's memory allocated while the next one was built (an H100
+        # ran out of memory: BENCHMARKS.md, session 22)
+        n_graphs = None if engine.runner.graphs is None else len(engine.runner.graphs.graphs)
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens, built in {started:.1f} s"
-              f"{f' ({len(graphs.graphs)} decode graphs)' if graphs is not None else ''}", flush=True)
+              f"{f' ({n_graphs} decode graphs)' if n_graphs is not None else ''}", flush=True)
         # warm-up outside the timings: kernel builds, mixed prefill+decode steps, batch 1
         warm = torch.Generator().manual_seed(1)
         greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
