@@ -76,6 +76,12 @@ def token_ids(value: Any, where: str) -> list[int]:
         return [int(t) for t in value.tolist()]
     if not isinstance(value, Sequence):
         raise TypeError(f"{where}: expected a list of token ids, got {_type_name(value)}")
+    # Plain Python ints (what tokenizers and .tolist() give) pass in one C-speed scan: the
+    # checks below cost ~0.9 us a token (this 2-core CPU), 118 ms of host time for a 256 x 512
+    # batch against 6 ms.
+    # `type(t) is int` is exact, so bools (and int subclasses) still take the checks below.
+    if all(type(t) is int for t in value):
+        return list(value)
     out = []
     for i, t in enumerate(value):
         if not is_int(t):

@@ -204,3 +204,20 @@ def test_cuda_device_without_cuda_names_the_device_and_the_build(llama: TinyMode
         Engine(EngineConfig(model=llama.path, device="cuda"))
     with pytest.raises(TypeError, match="expected an EngineConfig"):
         Engine({"model": llama.path})
+
+
+def test_token_ids_take_plain_ints_fast_and_other_integers_converted() -> None:
+    """rollout.validate.token_ids: a list of plain ints comes back as a copy (the fast scan);
+    numpy and torch integer scalars in a list still pass, as Python ints; a bool among plain
+    ints still fails the exact-type scan and is refused."""
+    import numpy as np
+
+    from rollout.validate import token_ids
+
+    plain = [3, 1, 4]
+    out = token_ids(plain, "p")
+    assert out == plain and out is not plain
+    mixed = token_ids([np.int64(5), torch.tensor(6), 7], "p")
+    assert mixed == [5, 6, 7] and all(type(t) is int for t in mixed)
+    with pytest.raises(TypeError, match="token 2 is True"):
+        token_ids([1, 2, True], "p")
