@@ -214,11 +214,9 @@ def main() -> None:
         parser.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=what)
     parser.add_argument("--c-radix", nargs="+", default=["on", "off"], choices=["on", "off"],
                         help="(c)'s runs: with the radix cache, and the engine without it (its peer)")
-    parser.add_argument("--blas", nargs="+", default=["default"], choices=["default", "cublas", "cublaslt", "bias0"],
-                        help="torch's BLAS for the matmuls (torch.backends.cuda.preferred_blas_library), or "
-                             "bias0: torch's default with a zero bias on multi-row matmuls (cuBLASLt's "
-                             "gemm-and-bias, rollout.kernels.zero_bias_lt); set before each engine is built and "
-                             "its graphs captured")
+    parser.add_argument("--blas", nargs="+", default=["default"], choices=["default", "cublas", "cublaslt"],
+                        help="torch's BLAS for the matmuls (torch.backends.cuda.preferred_blas_library), set "
+                             "before each engine is built and its graphs captured")
     parser.add_argument("--small-decode-rows", nargs="+", type=int, default=[None],
                         help="decode graphs of at most this many rows attend with the Triton kernel, larger ones "
                              "with FlashInfer (rollout.attention.SMALL_DECODE_ROWS; default: the engine's)")
@@ -331,15 +329,13 @@ def main() -> None:
             for small in args.small_decode_rows for share in args.share_prefixes for run in runs]
     runs = [(*run, blas) for blas in args.blas for run in runs]
     import rollout.attention
-    import rollout.kernels
 
     small_default = rollout.attention.SMALL_DECODE_ROWS
     blas_default = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows, small, share, blas in runs:
         rollout.attention.SMALL_DECODE_ROWS = small_default if small is None else small
         if device.type == "cuda":
-            torch.backends.cuda.preferred_blas_library(blas_default if blas in ("default", "bias0") else blas)
-        rollout.kernels.zero_bias_lt = blas == "bias0"
+            torch.backends.cuda.preferred_blas_library(blas_default if blas == "default" else blas)
         set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
                            silu=silu == "on", rope=rope == "on")
         try:

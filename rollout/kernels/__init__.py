@@ -76,23 +76,6 @@ silu_epilogue: bool = True
 rope_epilogue: bool = True
 
 
-# Multi-row 16-bit matmuls on GPU as F.linear with a zero bias: torch's addmm then takes
-# cuBLASLt's gemm-and-bias path instead of cuBLAS's gemm, in this process only (unlike
-# torch.backends.cuda.preferred_blas_library, which a colocated trainer shares). Off until it
-# measures faster (rollout/kernels/bench_gemm.py's bias0 column; bench_rollout --blas bias0).
-zero_bias_lt: bool = False
-_ZERO_BIAS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _zero_bias(weight: torch.Tensor) -> torch.Tensor:
-    # One per (rows, dtype, device), made in a warm-up before any graph captures it.
-    key = (weight.shape[0], weight.dtype, weight.device)
-    bias = _ZERO_BIAS.get(key)
-    if bias is None:
-        bias = _ZERO_BIAS[key] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
-    return bias
-
-
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does `linear(x, weight)` run the skinny kernel (one 16-bit row on the fused path)? Then it
     and the epilogue forms below take a low-rank term (rollout/kernels/low_rank.py)."""
@@ -111,8 +94,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if low_rank is not None:
         raise ValueError(f"kernels.linear: a low-rank term needs the skinny kernel's one row, got x "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    if bias is None and zero_bias_lt and x.is_cuda and x.dtype != torch.float32:
-        bias = _zero_bias(weight)
     return F.linear(x, weight, bias)
 
 

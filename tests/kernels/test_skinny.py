@@ -122,30 +122,6 @@ def test_dispatch_leaves_the_cpu_path_alone(monkeypatch):
     assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_zero_bias_switch_takes_multi_row_16_bit_gpu_matmuls_only(monkeypatch):
-    """kernels.zero_bias_lt: a multi-row 16-bit matmul on GPU gets one cached zero bias (torch
-    then calls cuBLASLt's gemm-and-bias), equal to F.linear; fp32, a real bias and the CPU path
-    are left alone."""
-    monkeypatch.setattr(kernels, "enabled", None)
-    monkeypatch.setattr(kernels, "zero_bias_lt", True)
-    biases = []
-    real = F.linear
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: biases.append(b) or real(x, w, b))
-    x, w, b = _case(5, 24, 64, torch.bfloat16, True)
-    kernels.linear(x.float(), w.float())  # fp32
-    kernels.linear(x, w, b)  # its own bias
-    assert biases[0] is None and biases[1] is b
-    if not GPU:
-        kernels.linear(x, w)
-        assert biases[2] is None  # CPU tensors: F.linear as it was
-        return
-    y = kernels.linear(x, w)
-    kernels.linear(x[:3], w)
-    zero = biases[2]
-    assert zero is not None and biases[3] is zero and not zero.any() and zero.shape == (24,) and zero.dtype == w.dtype
-    _check(y, x, w, None)
-
-
 @pytest.mark.skipif(not GPU, reason="the model's own matmuls through the kernel need a GPU (bf16)")
 def test_model_logits_with_and_without_the_kernel(monkeypatch):
     """A tiny bf16 model's logits of one row: through the skinny kernel and through cuBLAS."""
