@@ -12,7 +12,11 @@ decode step reads the weights once plus the KV of every running sequence (bytes 
 device copy bandwidth measured in this run), and prefill does 2 x params FLOPs per prompt
 token (over the bf16 matmul rate measured in this run).
 
-    python -m scripts.bench_rollout [--shape llama8b|qwen06b] [--workloads a b c d] [--hf]
+    python -m scripts.bench_rollout [--shape llama8b|qwen06b] [--workloads a b c d] [--hf] [--peer]
+
+--peer also times issue #16's bar, a decode step in plain torch compiled and captured in one
+CUDA graph (rollout/bench/compiled_peer.py), on (a)'s and (b)'s decode: its step time goes
+beside the engine's decode step in the table.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.bench.compiled_peer import PeerTiming, time_decode
 from rollout.bench.compiles import CompileRecord, triton_compiles
 from rollout.model.shapes import SHAPES, write_shape_dir
 
@@ -189,6 +194,9 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also time transformers generate for (a) and (b)")
     parser.add_argument("--hf-only", action="store_true", help="time only the transformers peers")
     parser.add_argument("--hf-output-len", type=int, default=64, help="output length of the HF peer runs")
+    parser.add_argument("--peer", action="store_true",
+                        help="also time issue #16's compiled peer (rollout/bench/compiled_peer.py) on (a)'s and (b)'s "
+                             "decode: the same rows, contexts and new tokens, no prefill (its KV is random)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
@@ -245,6 +253,22 @@ def main() -> None:
                     print(f"transformers generate ({w}): {hf_peer[w]:.1f} tok/s", flush=True)
                 except Exception:
                     traceback.print_exc()
+    peer: dict[str, PeerTiming] = {}
+    if args.peer:  # before the engines too: its static cache is freed before their KV pools are sized
+        for w, (batch, input_len) in (("a", (256, 512)), ("b", (1, 128))):
+            if w in args.workloads:
+                try:
+                    peer[w] = time_decode(cfg, batch, input_len, 256, device, compile=device.type == "cuda",
+                                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+                    d = roof.time([input_len] * batch, [256] * batch, 0)[0]
+                    print(f"compiled peer ({w}): {peer[w].tok_s:.0f} tok/s of decode, {peer[w].step_ms:.2f} ms a step "
+                          f"(compile and capture {peer[w].compile_seconds:.1f} s); decode roofline {batch * 256 / d:.0f} "
+                          f"tok/s", flush=True)
+                except Exception:
+                    traceback.print_exc()
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     if args.hf_only:
         return
 
@@ -372,16 +396,18 @@ def main() -> None:
     print(f"\n{args.shape}, {'bf16' if device.type == 'cuda' else 'fp32'}, {name}, "
           f"copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.0f} TFLOP/s")
     print(f"{'workload [engine]':<58} | {'tok/s':>8} | {'step ms':>7} | {'roofline':>8} | {'of roof':>7} | "
-          f"{'+prefill':>8} | {'of that':>7} | {'decode ms':>9} | {'HF tok/s':>8}")
+          f"{'+prefill':>8} | {'of that':>7} | {'decode ms':>9} | {'HF tok/s':>8} | {'peer ms':>7}")
     for r in results:
         key = r.name[0]
         hf = f"{hf_peer[key]:.0f}" if key in hf_peer and "radix off" not in r.name else ""
+        peer_ms = f"{peer[key].step_ms:.2f}" if key in peer else ""  # its decode step, beside the engine's
         step_ms = 1e3 * r.seconds / max(1, r.steps)
         floor = r.output_tokens / (r.roofline_seconds + r.prefill_floor_seconds)
         print(f"{r.name:<58} | {r.tok_s:>8.0f} | {step_ms:>7.2f} | {r.roofline_tok_s:>8.0f} | "
-              f"{r.tok_s / r.roofline_tok_s:>6.0%} | {floor:>8.0f} | {r.tok_s / floor:>6.0%} | {r.decode_step_ms:>9.2f} | {hf:>8}")
+              f"{r.tok_s / r.roofline_tok_s:>6.0%} | {floor:>8.0f} | {r.tok_s / floor:>6.0%} | {r.decode_step_ms:>9.2f} | {hf:>8} | {peer_ms:>7}")
     if args.json:
         Path(args.json).write_text(json.dumps({"bw": bw, "flops": flops, "hf": hf_peer,
+                                               "peer": {w: vars(t) for w, t in peer.items()},
                                                "results": [vars(r) for r in results]}, indent=1))
 
 

@@ -9,7 +9,7 @@ step bound by the host (GPU idle between kernels) or by the GPU (busy ~ wall), a
 kernels grow with the context.
 
     python -m scripts.profile_run [--shape llama8b] [--batch 256] [--input-len 512] [--output-len 256]
-                                  [--windows 60 150 240] [--device cuda]
+                                  [--windows 60 150 240] [--device cuda] [--first-steps 20]
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs="*", default=[60, 150, 240], help="first step of each profiled window")
     parser.add_argument("--window-steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--first-steps", type=int, default=0,
+                        help="also print the wall time of each of the run's first N steps (the prefill chunks and "
+                             "the switch to decode; with --windows 0 ... their kernels too)")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny (no GPU profile)")
     args = parser.parse_args()
 
@@ -120,6 +123,10 @@ def main() -> None:
     decode = decode or [(i, ms) for i, ms, _ in steps if i not in profiled]  # no graphs (CPU)
     print(f"\n{args.shape}, batch {args.batch}, in {args.input_len} / out {args.output_len}: {len(steps)} steps, "
           f"median decode step {statistics.median(ms for _, ms in decode):.2f} ms (unprofiled steps)")
+    if args.first_steps:
+        print(f"first {args.first_steps} steps, wall ms (* profiled): " + ", ".join(
+            f"{i}: {ms:.1f}{'*' if i in profiled else ''}{' graph' if graphed else ''}"
+            for i, ms, graphed in steps[: args.first_steps]))
     for start in range(0, index, 32):
         window = [ms for i, ms in decode if start <= i < start + 32]
         if window:

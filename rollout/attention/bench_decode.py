@@ -192,20 +192,26 @@ def _flashinfer_variants(q, k_buf, v_buf, indptr, indices, batch, context, ps, s
     out: dict[str, Callable[[], torch.Tensor]] = {}
     nq, nkv, d = q.shape[1], k_buf.shape[1], k_buf.shape[2]
     pt = page_table([context] * batch, indices, ps)
-    kv = (k_buf.view(-1, ps, nkv, d), v_buf.view(-1, ps, nkv, d))
+    nhd = (k_buf.view(-1, ps, nkv, d), v_buf.view(-1, ps, nkv, d))  # the engine's pool, no copy
+    # HND pages [num_pages, Hkv, P, D], a copy of the same KV: each (page, head) one contiguous
+    # block of P x D, against NHD's P rows of D strided by Hkv x D (what a pool re-layout would buy)
+    hnd = tuple(t.transpose(1, 2).contiguous() for t in nhd)
     kw = dict(q_data_type=q.dtype, kv_data_type=q.dtype, sm_scale=scale)
-    for name, tc, backend, split in (("flashinfer tc (engine)", True, "auto", None),
-                                     ("flashinfer tc split 8 pages", True, "auto", 8),
-                                     ("flashinfer tc split 16 pages", True, "auto", 16),
-                                     ("flashinfer cuda-core", False, "auto", None),
-                                     ("flashinfer tc fa3", True, "fa3", None)):
+    for name, tc, backend, split, layout in (("flashinfer tc (engine)", True, "auto", None, "NHD"),
+                                             ("flashinfer tc, HND pages", True, "auto", None, "HND"),
+                                             ("flashinfer tc split 8 pages", True, "auto", 8, "NHD"),
+                                             ("flashinfer tc split 16 pages", True, "auto", 16, "NHD"),
+                                             ("flashinfer cuda-core", False, "auto", None, "NHD"),
+                                             ("flashinfer cuda-core, HND pages", False, "auto", None, "HND"),
+                                             ("flashinfer tc fa3", True, "fa3", None, "NHD")):
         try:
             ws = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend=backend)
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc, backend=backend)
             extra = {} if split is None else {"fixed_split_size": split}
             w.plan(pt.indptr.to(q.device), pt.indices, pt.last_page_len.to(q.device), nq, nkv, d, ps, **kw, **extra)
             o = torch.empty_like(q)
-            out[name] = (lambda w=w, o=o: w.run(q, kv, out=o))
+            kv = hnd if layout == "HND" else nhd
+            out[name] = (lambda w=w, o=o, kv=kv: w.run(q, kv, out=o))
         except Exception as exc:
             print(f"{name}: not available ({type(exc).__name__}: {str(exc)[:120]})")
     return out

@@ -26,9 +26,10 @@ def test_bench_host_prints_its_phases() -> None:
 
 def test_bench_rollout_runs_each_config_on_cpu() -> None:
     text = _run("scripts.bench_rollout", "--shape", "tiny", "--device", "cpu", "--attention", "torch",
-                "--overlap", "on", "off", "--workloads", "b", "--prefill-rows", "on", "off")
+                "--overlap", "on", "off", "--workloads", "b", "--prefill-rows", "on", "off", "--peer")
     rows = [line for line in text.splitlines() if line.startswith("b: batch 1") and "|" in line]  # the table
     assert len(rows) == 4 and "[torch, overlap]" in rows[0] and "[torch]" in rows[1], text[-1500:]
+    assert "compiled peer (b):" in text and all(float(r.rsplit("|", 1)[1]) > 0 for r in rows), text[-1500:]  # peer ms
     assert "[torch, overlap, eager prefill]" in rows[2] and "[torch, eager prefill]" in rows[3], text[-1500:]
 
 
