@@ -22,7 +22,7 @@ import torch
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("gemm", ("gemm", "cutlass", "nvjet", "matmul")),
-    ("attention", ("flashinfer", "prefill", "decode", "attn", "attention")),
+    ("attention", ("flashinfer", "prefill", "decode", "attn", "attention", "sdpa", "fmha")),  # sdpa: cuDNN's (the peer)
     ("copy", ("memcpy", "memset")),
 )
 
