@@ -78,8 +78,10 @@ def test_bench_rollout_runs_modes_in_the_order_given_on_cpu() -> None:
 
 def test_profile_run_smoke_on_cpu() -> None:
     text = _run("scripts.profile_run", "--shape", "tiny", "--device", "cpu", "--batch", "4", "--input-len", "8",
-                "--output-len", "12")
+                "--output-len", "12", "--first-steps", "3")
     assert "median decode step" in text and "steps    0-  31: median" in text
+    first = next(line for line in text.splitlines() if line.startswith("first 3 steps"))
+    assert [part.split(":")[0] for part in first.split("): ")[1].split(", ")] == ["0", "1", "2"], first
 
 
 def test_profile_run_summarizes_kernels_by_kind() -> None:
@@ -87,7 +89,8 @@ def test_profile_run_summarizes_kernels_by_kind() -> None:
 
     assert busy_time([(0, 4), (2, 6), (10, 11)]) == 7  # overlapping spans count once
     assert [kind_of(n) for n in ("nvjet_sm90_tst_256x128", "void flashinfer::BatchPrefillWithPagedKVCacheKernel",
-                                 "_rms_norm_kernel", "Memcpy HtoD")] == ["gemm", "attention", "other", "copy"]
+                                 "_rms_norm_kernel", "Memcpy HtoD", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop")] == [
+                                     "gemm", "attention", "other", "copy", "attention"]
 
 
 def test_bench_lora_gpu_rows_smoke_on_cpu() -> None:
