@@ -6,8 +6,9 @@
 One layer's decode attention over a paged pool laid out as the engine lays it out (each
 prompt's pages contiguous, the decode pages after them interleaved across requests), for
 each backend and launch choice the engine could make: FlashInfer's tensor-core decode (what
-graphs of more than `SMALL_DECODE_ROWS` rows run), its CUDA-core decode, its fa3 (sm90)
-tensor-core path, and our Triton kernel at several KV split counts and tiles. Prints the
+graphs of more than `SMALL_DECODE_ROWS` rows run), the same on HND pages (a copy of the KV,
+each page's head contiguous) and without a KV split (no merge kernel), its CUDA-core decode,
+its fa3 (sm90) tensor-core path, and our Triton kernel at several KV split counts and tiles. Prints the
 median time, the KV read bandwidth (K and V bytes the step must read / time) and each
 output's largest difference from an fp32 torch reference; the floor beside them is a
 flat amax over a buffer of the same bytes (what a plain read reaches in this run).
@@ -199,6 +200,7 @@ def _flashinfer_variants(q, k_buf, v_buf, indptr, indices, batch, context, ps, s
     kw = dict(q_data_type=q.dtype, kv_data_type=q.dtype, sm_scale=scale)
     for name, tc, backend, split, layout in (("flashinfer tc (engine)", True, "auto", None, "NHD"),
                                              ("flashinfer tc, HND pages", True, "auto", None, "HND"),
+                                             ("flashinfer tc, no KV split", True, "auto", 0, "NHD"),
                                              ("flashinfer tc split 8 pages", True, "auto", 8, "NHD"),
                                              ("flashinfer tc split 16 pages", True, "auto", 16, "NHD"),
                                              ("flashinfer cuda-core", False, "auto", None, "NHD"),
@@ -207,7 +209,8 @@ def _flashinfer_variants(q, k_buf, v_buf, indptr, indices, batch, context, ps, s
         try:
             ws = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc, backend=backend)
-            extra = {} if split is None else {"fixed_split_size": split}
+            # split 0: no KV split at all (no partial states, no merge kernel after it)
+            extra = {} if split is None else {"disable_split_kv": True} if split == 0 else {"fixed_split_size": split}
             w.plan(pt.indptr.to(q.device), pt.indices, pt.last_page_len.to(q.device), nq, nkv, d, ps, **kw, **extra)
             o = torch.empty_like(q)
             kv = hnd if layout == "HND" else nhd
