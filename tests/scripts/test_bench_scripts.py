@@ -214,3 +214,11 @@ def test_bench_gemm_smoke_on_cpu() -> None:
                                             for m in ("4", "16")], text
     assert all(r.count("us") == 4 for r in rows), text
     assert "a step's projections at M=16: cublas" in text, text
+
+
+def test_bench_decode_smoke_on_cpu() -> None:
+    """The decode-attention bench on its tiny CPU shape: the Triton rows run (under the
+    interpreter) and match the fp32 reference (FlashInfer's rows need a GPU)."""
+    text = _run("rollout.attention.bench_decode", "--device", "cpu")
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| 3 | 40 | triton")]
+    assert len(rows) == 2 and all(float(r[-2]) < 1e-3 for r in rows), text[-1500:]
