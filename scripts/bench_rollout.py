@@ -63,6 +63,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _release() -> None:
+    """Give back what dropped engines or peers held, before the next one sizes its memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
     """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured now."""
     if device.type == "cpu":  # smoke runs only: rough host figures, small buffers
@@ -266,9 +273,7 @@ def main() -> None:
                           f"tok/s", flush=True)
                 except Exception:
                     traceback.print_exc()
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                _release()
     if args.hf_only:
         return
 
@@ -314,9 +319,7 @@ def main() -> None:
                                decode_ms=dms, graph_share=gshare)
                         if not radix:
                             del eng
-                            gc.collect()
-                            if torch.cuda.is_available():
-                                torch.cuda.empty_cache()
+                            _release()
                 elif w == "d":
                     lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
                     lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
@@ -388,9 +391,7 @@ def main() -> None:
         engine.generate(input_ids=rand_prompts(1, 128, warm), sampling_params=greedy)
         run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix, deterministic, share == "on"))
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release()
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\n{args.shape}, {'bf16' if device.type == 'cuda' else 'fp32'}, {name}, "

@@ -80,7 +80,7 @@ class PeerDecoder:
     """`batch` rows decoding in lockstep into a static cache of `max_len` positions."""
 
     def __init__(self, cfg: ModelConfig, weights: PeerWeights, batch: int, max_len: int) -> None:
-        self.cfg, self.w, self.batch, self.max_len = cfg, weights, batch, max_len
+        self.cfg, self.w = cfg, weights
         dev, dtype = weights.embed.device, weights.embed.dtype
         # one tensor a layer, written in place at the step's position (as gpt-fast does): a
         # slice of one [L, ...] tensor made Inductor copy the whole cache every step
