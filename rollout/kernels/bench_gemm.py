@@ -14,6 +14,9 @@ better kernels for those shapes:
   nn        x @ W^T with W^T stored [K, N] (a different cuBLAS layout, so other heuristics)
   bias0     F.linear with a zero bias: torch's addmm then takes cuBLASLt's gemm-and-bias path
             without the process-wide switch (which would also change a colocated trainer's)
+  --triton  rollout.kernels.stream_k configs, e.g. `sk:256x128x64w8s3` (a program per SM, the
+            iterations shared evenly), `tiles:128x256x64w8s3` (a program per output tile),
+            `sk100:...` (100 programs)
 
 Each projection gets one weight per layer (distinct memory, nothing served from L2), and a
 timing runs it once per layer inside one CUDA graph (what a decode graph replays), reported
@@ -24,6 +27,7 @@ per call. Every variant's output is checked against fp32 first. Prints us and TF
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
 import torch
@@ -31,8 +35,22 @@ import torch.nn.functional as F
 
 from rollout.bench.kernel_device import kernel_bench_device
 from rollout.kernels.bench_skinny import _us_per_call, projections
+from rollout.kernels.stream_k import StreamKConfig
 
 VARIANTS = ("cublas", "cublaslt", "nn", "bias0")
+DEFAULT_TRITON = ("sk:256x128x64w8s3", "sk:256x128x64w8s4", "sk:128x256x64w8s3", "sk:256x64x64w4s4",
+                  "sk:128x128x64w4s4", "tiles:128x256x64w8s3", "tiles:256x128x64w8s3")
+
+
+def parse_config(text: str) -> StreamKConfig:
+    """`sk:256x128x64w8s3` -> StreamKConfig(256, 128, 64, 8 warps, 3 stages, a program per SM)."""
+    grid, _, tile = text.partition(":")
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", tile)
+    g = re.fullmatch(r"sk(\d*)|tiles", grid)
+    if m is None or g is None:
+        raise argparse.ArgumentTypeError(f"a config is sk[N]:BMxBNxBKwWARPSsSTAGES or tiles:..., got {text!r}")
+    programs = 0 if grid == "tiles" else (int(g.group(1)) if g.group(1) else None)
+    return StreamKConfig(*(int(v) for v in m.groups()), programs=programs)
 
 
 def _set_blas(name: str, gpu: bool) -> None:
@@ -40,7 +58,12 @@ def _set_blas(name: str, gpu: bool) -> None:
         torch.backends.cuda.preferred_blas_library("cublaslt" if name == "cublaslt" else "cublas")
 
 
-def _call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def _call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor, zero: torch.Tensor,
+          triton: dict[str, StreamKConfig]) -> torch.Tensor:
+    if variant in triton:
+        from rollout.kernels import stream_k
+
+        return stream_k.linear(x, w, triton[variant])
     if variant == "nn":
         return x @ wt
     return F.linear(x, w, zero if variant == "bias0" else None)
@@ -53,6 +76,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=None, help="M values (default 128 256 512 8192; cpu: 4 16)")
     p.add_argument("--only", nargs="+", default=None, help="projections (default all)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--triton", nargs="*", type=parse_config, default=None,
+                   help=f"stream_k configs (default on a GPU: {' '.join(DEFAULT_TRITON)}; cpu: two tiny ones)")
     args = p.parse_args()
     device, shape, dtype = kernel_bench_device(args.device, args.shape)
     gpu = device.type == "cuda"
@@ -67,8 +92,12 @@ def main() -> None:
         del a, b
         print(f"{shape}, {str(dtype).removeprefix('torch.')}; {n}^3 matmul {peak:.0f} TFLOP/s; torch's default BLAS "
               f"{torch.backends.cuda.preferred_blas_library()}", flush=True)
-    print(f"{'proj':>8} {'N':>6} {'K':>6} {'M':>5} | " + " | ".join(f"{v:>17}" for v in args.variants))
-    totals: dict[int, dict[str, float]] = {m: dict.fromkeys(args.variants, 0.0) for m in rows}
+    configs = args.triton if args.triton is not None else [
+        parse_config(c) for c in (DEFAULT_TRITON if gpu else ("sk:16x32x32w4s2", "tiles:16x32x32w4s2"))]
+    triton = {c.name: c for c in configs}
+    variants = [*args.variants, *triton]
+    print(f"{'proj':>8} {'N':>6} {'K':>6} {'M':>5} | " + " | ".join(f"{v:>21}" for v in variants))
+    totals: dict[int, dict[str, float]] = {m: dict.fromkeys(variants, 0.0) for m in rows}
     for name, (n, k, copies) in projs.items():
         layers = copies if gpu else 2
         weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
@@ -79,16 +108,24 @@ def main() -> None:
             x = torch.randn(m, k, device=device, dtype=dtype)
             ref = F.linear(x.float(), weights[0].float())
             cells = []
-            for v in args.variants:
+            for v in variants:
                 _set_blas(v, gpu)
-                y = _call(v, x, weights[0], transposed[0], zero)
+                try:  # a Triton config can fail to compile (shared memory) on one card and not another
+                    y = _call(v, x, weights[0], transposed[0], zero, triton)
+                except Exception as e:  # noqa: BLE001 - reported in the table, the other variants go on
+                    if v not in triton:
+                        raise
+                    print(f"{v}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    totals[m][v] = float("nan")
+                    cells.append(f"{'failed':>21}")
+                    continue
                 err = (y.float() - ref).abs().max().item()
                 assert err <= 2e-2 * ref.abs().max().item() + 1e-2, f"{name} M={m} {v}: max error {err}"
-                fn: Callable[[], object] = lambda v=v: [_call(v, x, w, t, zero) for w, t in
+                fn: Callable[[], object] = lambda v=v: [_call(v, x, w, t, zero, triton) for w, t in
                                                         zip(weights[:calls], transposed[:calls])]
                 us = _us_per_call(fn, calls, gpu)
                 totals[m][v] += copies * us
-                cells.append(f"{us:8.1f} us {2 * m * n * k / us / 1e6:4.0f} TF")
+                cells.append(f"{us:9.1f} us {2 * m * n * k / us / 1e6:4.0f} TF")
             print(f"{name:>8} {n:>6} {k:>6} {m:>5} | " + " | ".join(cells), flush=True)
             del x, ref
         del weights, transposed

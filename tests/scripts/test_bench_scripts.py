@@ -206,14 +206,15 @@ def test_bench_first_step_smoke_on_cpu() -> None:
 
 def test_bench_gemm_smoke_on_cpu() -> None:
     """python -m rollout.kernels.bench_gemm on the tiny shape: every projection at each row count
-    through each variant (checked against fp32, then timed), and the step sums."""
+    through each variant, the stream-K kernel's two included (checked against fp32, then timed),
+    and the step sums."""
     text = _run("rollout.kernels.bench_gemm", "--device", "cpu")
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["qkv"], ["o"], ["gate_up"], ["down"],
                                                                                ["lm_head"])]
     assert [(r[0], r[3]) for r in rows] == [(p, m) for p in ("qkv", "o", "gate_up", "down", "lm_head")
                                             for m in ("4", "16")], text
-    assert all(r.count("us") == 4 for r in rows), text
-    assert "a step's projections at M=16: cublas" in text, text
+    assert all(r.count("us") == 6 for r in rows), text
+    assert "a step's projections at M=16: cublas" in text and "tiles 16x32x32 w4 s2" in text, text
 
 
 def test_bench_decode_smoke_on_cpu() -> None:
