@@ -28,7 +28,7 @@ def _counters_are_zero() -> bool:
 # (M, N, K, programs): with 16 x 32 tiles and K blocks of 32, each case cuts tiles differently:
 # 3 tiles x 7 K blocks over 4 programs (ranges of 5-6: inside a tile, across a boundary),
 # over 13 (ranges of 1-2), one program per tile, and a single program doing everything.
-CASES = [(37, 40, 200, None), (37, 40, 200, 13), (37, 40, 200, 0), (5, 72, 100, 1), (48, 64, 64, 5)]
+CASES = [(37, 40, 200, None), (37, 40, 200, 13), (37, 40, 200, 0), (5, 72, 104, 1), (48, 64, 64, 5)]
 
 
 @pytest.mark.parametrize("m,n,k,programs", CASES)
@@ -46,10 +46,13 @@ def test_stream_k_matches_the_matmul(m: int, n: int, k: int, programs: int | Non
     assert torch.equal(stream_k.linear(x, w, config), y)  # again: the counters were reusable
 
 
-def test_a_bad_weight_is_named() -> None:
+def test_bad_operands_are_named() -> None:
     x = torch.randn(4, 64).to(DEVICE)
     with pytest.raises(ValueError, match=r"weight must be \[N, 64\]"):
         stream_k.linear(x, torch.randn(8, 32).to(DEVICE), StreamKConfig(16, 32, 32, 4, 2))
+    odd = torch.randn(4, 50, dtype=torch.float16).to(DEVICE)  # rows of 100 bytes: no TMA descriptor
+    with pytest.raises(ValueError, match=r"x needs contiguous rows of a multiple of 16 bytes"):
+        stream_k.linear(odd, torch.randn(8, 50, dtype=torch.float16).to(DEVICE), StreamKConfig(16, 32, 32, 4, 2))
 
 
 @pytest.mark.skipif(not GPU, reason="arrival order at the counters varies only on a GPU")
