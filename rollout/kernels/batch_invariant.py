@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from rollout.kernels.tma import tma_ok
+
 ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row call at batch 64
 
 
@@ -216,15 +218,6 @@ def _blocked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out if bias is None else out + bias
 
 
-def _tma_ok(rows: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A TMA descriptor needs a contiguous last dimension, 16-byte aligned rows and base, and
-    a GPU that has the unit (compute capability 9+); the interpreter (CPU tensors) emulates it."""
-    for t in (rows, weight):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return False
-    return not rows.is_cuda or torch.cuda.get_device_capability(rows.device)[0] >= 9
-
-
 def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     import triton
 
@@ -246,7 +239,7 @@ def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     partial = torch.empty(chunks, m, n, dtype=torch.float32, device=rows.device) if split else out
     bias_arg = bias if bias is not None else out
     precision = "ieee" if rows.dtype == torch.float32 else "tf32"
-    if c.tma and not split and _tma_ok(rows, weight):
+    if c.tma and not split and tma_ok(rows, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         from rollout.kernels.batch_invariant_triton import matmul_tma_kernel

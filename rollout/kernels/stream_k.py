@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.kernels.tma import tma_ok
 
 @dataclass(frozen=True)
 class StreamKConfig:
@@ -65,10 +66,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: StreamKConfig) -> torch.Ten
     n = w.shape[0]
     if w.shape[1] != k or w.dtype != x.dtype:
         raise ValueError(f"weight must be [N, {k}] in {x.dtype}, got {tuple(w.shape)} in {w.dtype}")
-    for name, t in (("x", x), ("weight", w)):  # what a TMA descriptor can address
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            raise ValueError(f"{name} needs contiguous rows of a multiple of 16 bytes at a 16-byte aligned "
-                             f"address (TMA), got strides {t.stride()} of {t.element_size()}-byte elements")
+    if not tma_ok(x, w):
+        raise ValueError(f"x and weight need contiguous rows of a multiple of 16 bytes at 16-byte aligned "
+                         f"addresses on a GPU with TMA (compute capability 9+), got strides {x.stride()} and "
+                         f"{w.stride()} of {x.element_size()}-byte elements")
     c = config
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:

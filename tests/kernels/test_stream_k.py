@@ -51,7 +51,7 @@ def test_bad_operands_are_named() -> None:
     with pytest.raises(ValueError, match=r"weight must be \[N, 64\]"):
         stream_k.linear(x, torch.randn(8, 32).to(DEVICE), StreamKConfig(16, 32, 32, 4, 2))
     odd = torch.randn(4, 50, dtype=torch.float16).to(DEVICE)  # rows of 100 bytes: no TMA descriptor
-    with pytest.raises(ValueError, match=r"x needs contiguous rows of a multiple of 16 bytes"):
+    with pytest.raises(ValueError, match=r"x and weight need contiguous rows of a multiple of 16 bytes"):
         stream_k.linear(odd, torch.randn(8, 50, dtype=torch.float16).to(DEVICE), StreamKConfig(16, 32, 32, 4, 2))
 
 
