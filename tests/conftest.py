@@ -1,14 +1,17 @@
 """Shared fixtures: tiny random HF checkpoints (Llama, Llama-3 rope scaling, Qwen2, Qwen3)
-written with transformers' save_pretrained, and the HF reference for greedy decoding."""
+written with transformers' save_pretrained, and the HF reference for greedy decoding. On
+CUDA, tests marked whole_gpu run with no other test at once (gpu_lock.py)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_lock import GpuLock
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -19,6 +22,24 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # import, which any test module (or peft / transformers) may trigger during collection.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tests marked whole_gpu run with no other test at once, whatever -n (gpu_lock.py); on a
+# machine without CUDA nothing is locked.
+_GPU_LOCK = GpuLock.for_visible_devices() if torch.cuda.is_available() else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _GPU_LOCK is None:
+        return (yield)
+    whole = item.get_closest_marker("whole_gpu") is not None
+    with _GPU_LOCK.hold(exclusive=whole):
+        try:
+            return (yield)
+        finally:
+            if whole:  # what it cached goes back to the device, for the tests after it
+                gc.collect()
+                torch.cuda.empty_cache()
 
 _COMMON = dict(
     vocab_size=160,

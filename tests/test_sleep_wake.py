@@ -125,6 +125,7 @@ def test_bad_sleep_and_wake_calls(llama: TinyModel) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA caching allocator and real CUDA graphs need a GPU")
+@pytest.mark.whole_gpu  # its engine sizes its KV cache from the free memory; it counts reserved bytes
 def test_sleep_wake_cycles_do_not_grow_reserved_memory(llama: TinyModel) -> None:
     """Each wake re-captures the decode graphs. cuBLAS keeps a workspace per (handle, stream)
     that empty_cache() never frees, so a capture on a new stream each wake left one workspace
@@ -145,8 +146,8 @@ def test_sleep_wake_cycles_do_not_grow_reserved_memory(llama: TinyModel) -> None
     assert grown < 16 * 2**20, f"reserved memory grew {grown / 2**20:.1f} MiB over 3 sleep/wake cycles: {reserved}"
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs and torch's allocator need a GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.whole_gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs and torch's allocator need a GPU")])])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_dropped_engine_frees_its_model_and_kv(llama: TinyModel, device: str, overlap: bool) -> None:
     """An engine that served (LoRA on, an adapter loaded) and is dropped leaves nothing behind:

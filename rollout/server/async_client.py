@@ -9,7 +9,8 @@ many requests in flight on one event loop (the OpenAI-compatible endpoint).
 The same messages, timeouts and errors as the blocking client (client_core.py). One
 reader task hands each message to the queue of the call it answers; a watcher task marks
 the client dead when the socket monitor sees the connection close (or a launched process
-exit), and every waiting call raises EngineDeadError. Use it from one event loop.
+exit), and every waiting call raises EngineDeadError. Use it from one event loop. The tasks
+hold the client weakly: one dropped without close() is collected while the loop runs on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,11 @@ class AsyncRolloutClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.engine_process = _process
         self.info: protocol.ServerInfo | None = None
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
+        self._zmq = core.ClientSockets(self, zmq.asyncio.Context())
+        self._stop_process = core.stop_on_collect(self, _process) if _process is not None else None
+        self._socket = self._zmq.socket(zmq.DEALER)
         core.configure_socket(self._socket, address, heartbeat_timeout_s)
-        self._monitor = self._socket.get_monitor_socket(core.MONITOR_EVENTS)
+        self._monitor = self._zmq.monitor(self._socket, core.MONITOR_EVENTS)
         self._socket.connect(address)
         self._queues: dict[int, asyncio.Queue] = {}
         self._adds = core.OpenAdds()
@@ -231,6 +234,8 @@ class AsyncRolloutClient:
         await self._call(protocol.Shutdown(), timeout, "shutdown")
 
     async def close(self) -> None:
+        """As RolloutClient.close (and, as there, a client dropped without it is closed when
+        collected, or at interpreter exit)."""
         process, self.engine_process = self.engine_process, None
         if process is not None and self._dead is None and self.info is not None:
             try:
@@ -241,11 +246,9 @@ class AsyncRolloutClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for sock in (self._monitor, self._socket):
-            if not sock.closed:
-                sock.close(linger=0)
-        self._context.term()
+        self._zmq.close()
         if process is not None:
+            self._stop_process.detach()  # stopped here, and waited for
             await asyncio.to_thread(process.stop)
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -261,7 +264,8 @@ class AsyncRolloutClient:
     async def _send(self, request: protocol.Request) -> int:
         self._check_alive(request.op, None)
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+            me = weakref.ref(self)
+            self._tasks = [asyncio.create_task(_read(me, self._socket)), asyncio.create_task(_watch(me, self._monitor))]
         call_id = next(self._ids)
         frames = protocol.encode_request(call_id, request)
         core.check_frames(frames, self.info)
@@ -296,37 +300,33 @@ class AsyncRolloutClient:
             raise core.dead_error(self._dead or "the engine is gone", what, limit)
         return message
 
-    async def _read(self) -> None:
-        """Every message to the queue of the call it answers (add_request's to _adds)."""
-        while True:
-            frames = await self._socket.recv_multipart()
-            self._connected = True  # whatever the monitor has said so far
-            try:
-                message = protocol.decode_message(frames, protocol.Limits())
-            except ProtocolError as error:
-                log.warning("dropped a malformed message from the engine at %s: %s", self.address, error)
-                continue
-            call_id = getattr(message, "call_id", None)
-            if call_id in self._adds.pending:
-                self._adds.take(call_id, message)
-                self._adds_changed.set()
-            elif call_id in self._queues:
-                self._queues[call_id].put_nowait(message)
+    def _take(self, frames: list) -> None:
+        """A message to the queue of the call it answers (add_request's to _adds)."""
+        self._connected = True  # whatever the monitor has said so far
+        try:
+            message = protocol.decode_message(frames, protocol.Limits())
+        except ProtocolError as error:
+            log.warning("dropped a malformed message from the engine at %s: %s", self.address, error)
+            return
+        call_id = getattr(message, "call_id", None)
+        if call_id in self._adds.pending:
+            self._adds.take(call_id, message)
+            self._adds_changed.set()
+        elif call_id in self._queues:
+            self._queues[call_id].put_nowait(message)
 
-    async def _watch(self) -> None:
-        """The connection closing (or a launched process exiting) marks the client dead."""
-        poller = zmq.asyncio.Poller()
-        poller.register(self._monitor, zmq.POLLIN)
-        while self._dead is None:
-            if await poller.poll(200):
-                event = parse_monitor_message(await self._monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_CONNECTED:
-                    self._connected = True
-                elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._mark_dead(core.dead_message(self.address, self.heartbeat_timeout_s))
-            elif self.engine_process is not None and self.engine_process.exit_code() is not None:
-                self._mark_dead(f"the engine process at {self.address} exited with code "
-                                f"{self.engine_process.exit_code()} (see its stderr)")
+    def _watched(self, event: dict | None) -> bool:
+        """A monitor event, or none for 200 ms (then a launched process is looked at); False
+        once the engine is found gone."""
+        if event is None:
+            code = self.engine_process.exit_code() if self.engine_process is not None else None
+            if code is not None:
+                self._mark_dead(f"the engine process at {self.address} exited with code {code} (see its stderr)")
+        elif event["event"] == zmq.EVENT_CONNECTED:
+            self._connected = True
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self._mark_dead(core.dead_message(self.address, self.heartbeat_timeout_s))
+        return self._dead is None
 
     def _mark_dead(self, reason: str) -> None:
         self._dead = reason
@@ -345,3 +345,28 @@ class AsyncRolloutClient:
         frames = protocol.encode_request(next(self._ids), protocol.Cancel(call_id))
         future = self._socket.send_multipart(frames)
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+# The client's two tasks hold it weakly, between messages only: a client dropped without
+# close() is collected while its event loop runs on (its finalizer closes the sockets, which
+# cancels these tasks' waits and so ends them) instead of living as long as the loop.
+async def _read(client: weakref.ref, socket: zmq.asyncio.Socket) -> None:
+    while True:
+        frames = await socket.recv_multipart()
+        me = client()
+        if me is None:
+            return
+        me._take(frames)
+        del me
+
+
+async def _watch(client: weakref.ref, monitor: zmq.asyncio.Socket) -> None:
+    """The connection closing (or a launched process exiting) marks the client dead."""
+    poller = zmq.asyncio.Poller()
+    poller.register(monitor, zmq.POLLIN)
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart()) if await poller.poll(200) else None
+        me = client()
+        if me is None or not me._watched(event):
+            return
+        del me

@@ -56,18 +56,19 @@ class RolloutClient:
         self.timeout_s = timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.engine_process = _process
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
+        self._lock = threading.RLock()
+        self._zmq = core.ClientSockets(self, zmq.Context(), self._lock)
+        self._stop_process = core.stop_on_collect(self, _process) if _process is not None else None
+        self._socket = self._zmq.socket(zmq.DEALER)
         self._dead: str | None = None
         self._connected = False  # a connection to the engine was made (the monitor saw it)
-        self._lock = threading.RLock()
         self._boxes: dict[int, deque] = {}
         self._adds = core.OpenAdds()
         self._ids = itertools.count(1)
         self.info: protocol.ServerInfo | None = None
         try:
             core.configure_socket(self._socket, address, heartbeat_timeout_s)
-            self._monitor = self._socket.get_monitor_socket(core.MONITOR_EVENTS)
+            self._monitor = self._zmq.monitor(self._socket, core.MONITOR_EVENTS)
             self._poller = zmq.Poller()
             self._poller.register(self._socket, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
@@ -263,18 +264,18 @@ class RolloutClient:
         self._call(protocol.Shutdown(), timeout, "shutdown")
 
     def close(self) -> None:
-        """Disconnect; a launched engine process is shut down and waited for."""
+        """Disconnect; a launched engine process is shut down and waited for. A client dropped
+        without it is closed when collected, or at interpreter exit, and its launched engine
+        process is sent SIGTERM (client_core.ClientSockets)."""
         process, self.engine_process = self.engine_process, None
         if process is not None and self._dead is None and self.info is not None:
             try:
                 self._call(protocol.Shutdown(), 10.0, "shutdown")
             except Exception:
                 pass  # it is stopped below either way
-        for sock in (getattr(self, "_monitor", None), self._socket):
-            if sock is not None and not sock.closed:
-                sock.close(linger=0)
-        self._context.term()
+        self._zmq.close()
         if process is not None:
+            self._stop_process.detach()  # stopped here, and waited for
             process.stop()
 
     def __enter__(self) -> RolloutClient:

@@ -290,18 +290,25 @@ class EngineServer(EngineOps):
             self.text.forget(rids)
 
     def close(self) -> None:
-        for session in self.sessions:
-            for call_id in list(session.calls):
-                self.send_error(session.identity, call_id, RuntimeError("the engine process is shutting down"))
-            for rid in self.sessions.drop(session.identity):
-                self.engine.abort(rid)
-        for item in self.inbox.drain():
-            if isinstance(item, LoopCall):  # a background thread waits on it: let it go
-                item.error = RuntimeError("the engine process is shutting down")
-                item.done.set()
-        self.text.close()
-        self.socket.close(linger=1000)
-        self.context.term()
-        self.inbox.doorbell.close()
+        """Tell every client with calls open, then close the socket and end the context. The
+        socket's linger (1 s) bounds how long term() waits to deliver those last errors: a
+        client gone with its connection closed has them dropped at once, one that stopped
+        reading with its connection up (stopped, or dropped and not yet collected) gets them
+        only if it reads within that time. Telling failing leaves neither open behind it."""
+        try:
+            for session in self.sessions:
+                for call_id in list(session.calls):
+                    self.send_error(session.identity, call_id, RuntimeError("the engine process is shutting down"))
+                for rid in self.sessions.drop(session.identity):
+                    self.engine.abort(rid)
+            for item in self.inbox.drain():
+                if isinstance(item, LoopCall):  # a background thread waits on it: let it go
+                    item.error = RuntimeError("the engine process is shutting down")
+                    item.done.set()
+            self.text.close()
+        finally:
+            self.socket.close(linger=1000)
+            self.context.term()
+            self.inbox.doorbell.close()
         log.info("engine process on %s stopped", self.config.address)
 

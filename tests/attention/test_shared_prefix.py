@@ -160,6 +160,7 @@ def low_thresholds(monkeypatch):
     monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 1)
 
 
+@pytest.mark.whole_gpu  # on CUDA its engine sizes its KV cache from the device's free memory
 @pytest.mark.parametrize(("page_size", "graphs"), [(1, False), (16, True)], ids=["page1-eager", "page16-graph-twin"])
 def test_engine_n_samples_attend_their_prompt_once(llama, low_thresholds, page_size: int, graphs: bool) -> None:
     """n = 4 samples of each of two prompts fork the prompt's KV; their decode steps group by
@@ -207,6 +208,7 @@ def test_engine_n_samples_attend_their_prompt_once(llama, low_thresholds, page_s
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+@pytest.mark.whole_gpu  # on CUDA its engines size their KV caches from the device's free memory
 def test_config_off_plans_no_groups_and_captures_no_shared_graphs(llama, low_thresholds) -> None:
     """EngineConfig(shared_prefix_attention=False): the runner never groups rows, and decode
     graphs get no shared-prefix variant (half the captures at start-up and on wake)."""

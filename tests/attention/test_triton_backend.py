@@ -16,6 +16,7 @@ from conftest import TinyModel, make_prompts  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
+@pytest.mark.whole_gpu  # on CUDA its engine sizes its KV cache from the device's free memory
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_backend_matches_transformers(llama: TinyModel, page_size: int) -> None:
     prompts = make_prompts(llama.vocab_size, [3, 17, 9], seed=12)

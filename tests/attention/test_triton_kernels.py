@@ -199,6 +199,7 @@ def test_extend_half(dtype: torch.dtype) -> None:
     assert rel_err(res, ref) < 1e-2
 
 
+@pytest.mark.whole_gpu  # the largest tiles (float32, head_dim 256): failed beside 5 other GPU workers on one H200
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_large_head_dims(head_dim: int) -> None:
     c = make_case([20, 3], [1, 1], 4, 2, head_dim, torch.float32, seed=43 + head_dim)

@@ -11,7 +11,10 @@ from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.distributed.tp_engine import TPEngine
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs"),
+    pytest.mark.whole_gpu,  # its engines size their KV caches from the free memory of both devices
+]
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, logprobs_mode="raw", ignore_eos=True)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12, n=3, seed=9, ignore_eos=True)

@@ -79,6 +79,7 @@ def test_weight_update_over_cuda_ipc_through_the_client(cuda_pair, text_model) -
           engine.generate(input_ids=prompts, sampling_params=GREEDY))
 
 
+@pytest.mark.whole_gpu  # compares the device's free memory (mem_get_info): another test's allocation moves it
 def test_sleep_gives_the_device_memory_back(cuda_pair, text_model) -> None:
     client, _ = cuda_pair
     prompts = make_prompts(text_model.vocab_size, [8, 3], seed=72)

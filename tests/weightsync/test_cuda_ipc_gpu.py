@@ -56,6 +56,7 @@ def _engine_main(endpoint: str, out_dir: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device (untestable on CPU)")
+@pytest.mark.whole_gpu  # both processes' allocated bytes are checked to the byte
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["packed", "zero-copy"])
 def test_cuda_ipc_between_processes(tmp_path, monkeypatch, zero_copy):
     from _weightsync_helpers import tiny_llama
