@@ -37,8 +37,9 @@ unmapping, or `release_handle` for a handle it refuses unmapped). A trainer bloc
 referenced when the trainer frees it stays reserved (torch's "limbo") until then.
 
 Layout: cuda_ipc_handles.py (export/import/release a handle, device checks),
-cuda_ipc_sender.py (the trainer side), cuda_ipc_receiver.py (the engine side). This
-module is the public import surface.
+cuda_ipc_sender.py (the trainer side), cuda_ipc_receiver.py (the engine side),
+zmq_lifetime.py (how the sender's context and socket end, dropped or not). This module is
+the public import surface.
 """
 
 from __future__ import annotations

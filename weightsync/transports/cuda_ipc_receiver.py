@@ -7,6 +7,7 @@ import atexit
 import multiprocessing.util
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ _lock = threading.Lock()
 _flat_mappings: dict[str, _FlatMappings] = {}
 _bound_sockets: dict[str, zmq.Socket] = {}  # endpoint -> REP socket kept bound between receivers
 _context: zmq.Context | None = None
+# A receiver's socket closes with this linger: a reply just sent may still be queued, and
+# gets a moment instead of being dropped (nothing waits for it: the context is never ended).
+_CLOSE_LINGER_MS = 1000
 
 
 def release_ipc_endpoint(endpoint: str | None = None) -> None:
@@ -74,6 +78,10 @@ class CudaIpcReceiver:
         self.timeout_s = timeout_s
         self._device = device
         self._socket: zmq.Socket | None = _take_socket(self.endpoint, timeout_s)
+        # Dropped without close() (in a reference cycle too), its socket is closed as close()
+        # closes one it does not keep bound, by a finalizer that holds the socket and not the
+        # receiver. The module's context is never ended, so no collection can wait on it.
+        self._closer = weakref.finalize(self, self._socket.close, _CLOSE_LINGER_MS)
         self._owes_reply = False  # REP lockstep: a request was received and not answered
         self._trainer_silent = False  # the last wait for a request timed out
         self._refused = False  # the last request was answered with an error already (it did not decode)
@@ -180,13 +188,13 @@ class CudaIpcReceiver:
             except zmq.ZMQError:
                 keep_bound = False
         socket, self._socket = self._socket, None
+        self._closer.detach()
         if keep_bound and not self._owes_reply:
             with _lock:
                 if self.endpoint not in _bound_sockets:
                     _bound_sockets[self.endpoint] = socket
                     return
-        # A reply just sent may still be queued: give it a moment instead of dropping it.
-        socket.close(linger=1000)
+        socket.close(linger=_CLOSE_LINGER_MS)
 
     def _bound(self) -> zmq.Socket:
         if self._socket is None:

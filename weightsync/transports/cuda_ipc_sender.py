@@ -26,6 +26,7 @@ from weightsync.transports.ipc_wire import (
     encode_flat_buffers,
     encode_request,
 )
+from weightsync.transports.zmq_lifetime import ZmqSockets
 
 # How often a trainer retries connecting to an engine that is not (yet) bound. ZMQ's
 # default, 100 ms, was most of a back-to-back update's time when receivers re-bound.
@@ -69,7 +70,9 @@ class CudaIpcSender:
         self.bucket_bytes = bucket_bytes  # bucketed mode only
         self.timeout_s = timeout_s
         self._device = device
-        self._context = zmq.Context()
+        # Its context and REQ socket end with close(), or when the sender is dropped (in a
+        # reference cycle too: zmq_lifetime.py says why that needs a finalizer).
+        self._zmq = ZmqSockets(self, zmq.Context())
         self._socket: zmq.Socket | None = None
         # Flat mode: the pack kept across sends, its exported handles (None: export before
         # the next send) and their encoded headers.
@@ -98,8 +101,8 @@ class CudaIpcSender:
         update on this endpoint or at release_ipc_endpoint(); until then torch keeps them
         reserved on this GPU."""
         self._drop_pack()
-        self._reset_socket()
-        self._context.term()
+        self._socket = None
+        self._zmq.close()
 
     # --- flat mode ----------------------------------------------------------------------
 
@@ -269,7 +272,9 @@ class CudaIpcSender:
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
-            socket = self._context.socket(zmq.REQ)
+            if self._zmq.closed:
+                raise WeightSyncError(f"the CUDA IPC sender for {self.endpoint} is closed")
+            socket = self._zmq.socket(zmq.REQ)
             ipc.configure_socket(socket, self.timeout_s, self.endpoint)
             # Queue a message only on a completed connection: with no engine there, send()
             # times out instead, and we know for sure that the handles in it went nowhere.
