@@ -9,17 +9,16 @@ make every waiting call and every later one raise EngineDeadError. A live engine
 slow to answer raises EngineTimeoutError after the call's timeout instead.
 
 How a client's sockets end: see ClientSockets (close(), or a finalizer when the client is
-dropped, collected in a reference cycle, or left at interpreter exit).
+dropped, collected in a reference cycle, or left at interpreter exit; the finalizer is
+weightsync.transports.zmq_lifetime's, shared with the CUDA IPC sender).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import os
 import shutil
-import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,8 +34,7 @@ from rollout.request import RolloutOutput, SamplingParams
 from rollout.server import codec, protocol
 from rollout.server.errors import EngineDeadError, EngineError, EngineTimeoutError, ProtocolError
 from rollout.validate import check_str, named_tensor_list, token_ids
-
-log = logging.getLogger("rollout.server")
+from weightsync.transports.zmq_lifetime import ZmqSockets
 
 DEFAULT_TIMEOUT_S = 600.0  # one call (or, for a stream, the wait for its next delta)
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
@@ -68,67 +66,14 @@ def configure_socket(socket: zmq.Socket, address: str, heartbeat_timeout_s: floa
     return identity
 
 
-class ClientSockets:
-    """A client's zmq context and the sockets made in it, closed once (linger 0) and the
-    context ended: by the client's close(), or by a finalizer when the client is dropped
-    without it, collected in a reference cycle, or left at interpreter exit.
-
-    Why a finalizer that holds these and never the client: left to pyzmq, a client collected
-    in a cycle takes its context and sockets into the same garbage, and the collector clears
-    the context's weak set of its sockets before it runs any __del__; the context's __del__
-    may then run first, find no socket to close, and term() waits forever for the sockets
-    still open (issue 49: gc.collect() never returned after a dead engine's client was
-    dropped). Held by the finalizer, the context and sockets are never garbage while the
-    client is, and the finalizer runs before any __del__ in that garbage (a stream's
-    `finally` then finds the socket closed, and its cancel is skipped quietly).
-
-    Everything is closed before term(), with linger 0: term() waits only for open sockets and
-    for messages lingering on closed ones, and what a gone client had queued has nobody to go
-    to. The poller and the monitor socket hold no client: the poller is a list of sockets, the
-    monitor one more socket of this context, closed here with the others.
-    """
-
-    def __init__(self, owner: object, context: zmq.Context, lock: threading.RLock | None = None) -> None:
-        self.context = context
-        self._sockets: list[zmq.Socket] = []
-        self._finalizer = weakref.finalize(owner, close_sockets, context, self._sockets, lock)
-
-    def socket(self, kind: int) -> zmq.Socket:
-        socket = self.context.socket(kind)
-        self._sockets.append(socket)
-        return socket
-
-    def monitor(self, socket: zmq.Socket, events: int) -> zmq.Socket:
-        monitor = socket.get_monitor_socket(events)
-        self._sockets.append(monitor)
-        return monitor
-
-    def close(self) -> None:
-        self._finalizer()  # runs once: a later call, or the client's collection, does nothing
-
-
-# How long the finalizer waits for a thread inside a call to let go of the socket: a call
-# holds the lock for one 0.1 s poll, or one send blocked up to the heartbeat timeout.
-_CLOSE_LOCK_WAIT_S = 30.0
-
-
-def close_sockets(context: zmq.Context, sockets: list[zmq.Socket], lock: threading.RLock | None) -> None:
-    """ClientSockets' finalizer. It closes the sockets under the client's lock: a zmq socket
-    closed while another thread polls it can crash libzmq. That thread exists only when the
-    client is still reachable (close() from another thread, or interpreter exit with a daemon
-    thread inside a call); if it does not let go, the sockets and context are left as they
-    are (the process's exit reclaims them) rather than risk that, or a term() that waits."""
-    if lock is not None and not lock.acquire(timeout=_CLOSE_LOCK_WAIT_S):
-        log.warning("a client's socket is still in use by another thread after %ss: left open", _CLOSE_LOCK_WAIT_S)
-        return
-    try:
-        for socket in sockets:
-            if not socket.closed:
-                socket.close(linger=0)
-        context.destroy(linger=0)  # closes any socket made in it past `sockets` (none today), then terms
-    finally:
-        if lock is not None:
-            lock.release()
+# A client's context and sockets, closed once (linger 0) and the context ended: by the client's
+# close(), or by a finalizer when the client is dropped without it, collected in a reference
+# cycle, or left at interpreter exit (zmq_lifetime.py says why a finalizer, issue 49). The sync
+# client passes its lock: the finalizer closes under it. Run first in a cycle's garbage, it
+# leaves a stream's `finally` to find the socket closed, and its cancel is skipped quietly.
+# The poller and the monitor socket hold no client: the poller is a list of sockets, the
+# monitor one more socket of the context, closed with the others.
+ClientSockets = ZmqSockets
 
 
 def stop_on_collect(owner: object, process: Any) -> weakref.finalize:
