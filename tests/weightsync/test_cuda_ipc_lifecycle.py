@@ -1,0 +1,92 @@
+"""A CUDA IPC sender never hangs its process (issue 49, trainer side): dropped without close()
+inside a reference cycle, in any state (idle, after an update, flat or bucketed, after send()
+refused its input or timed out with no engine there), the next gc.collect() returns at once,
+and nothing it exported stays referenced. Before, pyzmq's Context.__del__ could run before
+its socket's in the cycle's garbage and wait forever in term(). The same at interpreter exit:
+ipc_lifecycle_child.py, in a process of its own. CUDA's calls are faked (_ipc_fakes.py); the
+sockets are real.
+
+The collections run with the automatic collector off and in a thread with a time limit, so a
+regression fails the test instead of hanging whatever allocates next.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from pathlib import Path
+
+import pytest
+from _ipc_fakes import _endpoint, _model, cpu_ipc  # noqa: F401
+from ipc_lifecycle_child import STATES
+
+from weightsync.transports import WeightSyncError
+from weightsync.transports.cuda_ipc import CudaIpcSender
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).with_name("ipc_lifecycle_child.py")
+COLLECT_LIMIT_S = 1.0  # beyond what a collection with nothing of ours in it takes
+EXIT_LIMIT_S = 60.0  # the child's imports (torch) included, on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def ordinary_s() -> float:
+    """How long a full collection of this process takes with nothing of ours to collect."""
+    start = time.monotonic()
+    gc.collect()
+    return time.monotonic() - start
+
+
+def collect_within_limit(refs: list[weakref.ref], ordinary_s: float) -> None:
+    """gc.collect() in a thread returns within COLLECT_LIMIT_S of an ordinary collection's
+    time, and the objects behind `refs` are gone."""
+    limit = COLLECT_LIMIT_S + 2 * ordinary_s
+    thread = threading.Thread(target=gc.collect, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        stack = "".join(traceback.format_stack(sys._current_frames()[thread.ident]))
+        pytest.fail(f"gc.collect() has not returned after {limit:.2f}s:\n{stack}")
+    assert all(ref() is None for ref in refs), "a dropped sender or receiver was not collected"
+
+
+@pytest.mark.parametrize("state", list(STATES))
+def test_a_dropped_sender_is_collected_at_once(cpu_ipc, ordinary_s: float, state: str) -> None:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        refs = STATES[state]()
+        collect_within_limit(refs, ordinary_s)
+    finally:
+        if enabled:
+            gc.enable()
+    cpu_ipc.assert_balanced()
+
+
+def test_senders_left_at_exit() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), str(CHILD.parent), os.environ.get("PYTHONPATH")) if p))
+    try:
+        child = subprocess.run([sys.executable, str(CHILD)], env=env, capture_output=True, text=True,
+                               timeout=EXIT_LIMIT_S)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"a process that left CUDA IPC senders in cycles did not exit within {EXIT_LIMIT_S}s: "
+                    f"{error.stdout!r} {error.stderr!r}")
+    assert child.returncode == 0 and f"leaving {len(STATES)} senders for the exit" in child.stdout, \
+        child.stdout + child.stderr
+    assert "Traceback" not in child.stderr and "Exception ignored" not in child.stderr, child.stderr
+
+
+def test_a_closed_sender_says_so(cpu_ipc) -> None:
+    sender = CudaIpcSender(_endpoint(), timeout_s=10)
+    sender.close()
+    sender.close()  # a second close does nothing
+    with pytest.raises(WeightSyncError, match="CUDA IPC sender for .* is closed"):
+        sender.send(_model(0))
+    assert cpu_ipc.exported == []
