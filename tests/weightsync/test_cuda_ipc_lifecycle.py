@@ -90,3 +90,15 @@ def test_a_closed_sender_says_so(cpu_ipc) -> None:
     with pytest.raises(WeightSyncError, match="CUDA IPC sender for .* is closed"):
         sender.send(_model(0))
     assert cpu_ipc.exported == []
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_non_tensor_is_refused_by_name(cpu_ipc, flat: bool) -> None:
+    """The stream's byte count must not touch an item before it is checked: a list where a
+    tensor belongs is refused by its name, not with an AttributeError from the counter."""
+    sender = CudaIpcSender(_endpoint(), flat=flat, timeout_s=0.2)
+    try:
+        with pytest.raises(TypeError, match="weight 'w': expected a torch.Tensor, got list"):
+            sender.send([("w", [1.0, 2.0])])
+    finally:
+        sender.close()

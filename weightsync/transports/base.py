@@ -50,7 +50,8 @@ class StreamCounter:
     def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in named_tensors:
             self.num_tensors += 1
-            self.total_bytes += tensor.numel() * tensor.element_size()
+            if isinstance(tensor, torch.Tensor):  # anything else is refused, by name, where it is consumed
+                self.total_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
     def stats(self, num_buckets: int, engine_version: int | None = None) -> SendStats:
