@@ -177,6 +177,7 @@ class Engine:
     # ---- weights ----------------------------------------------------------------------
     @property
     def weight_version(self) -> int:
+        """The policy's version: each update of the target model's weights adds one."""
         return self.weights.version
 
     def update_weights(

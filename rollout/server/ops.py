@@ -53,8 +53,8 @@ class Server(Protocol):
 
 
 class EngineOps:
-    """`server`: the engine process, for replies and for what it owns (requests followed by
-    clients, the loop's running); `started`: when it started (time.monotonic), for health."""
+    """`server`: the engine process, for replies and for what it owns (the requests clients
+    follow, its loop); `started`: when it started (time.monotonic), for health."""
 
     def __init__(self, engine: Engine, server: Server, sessions: Sessions, text: TextWorker, background: Background,
                  limits: protocol.Limits, started: float) -> None:
