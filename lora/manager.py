@@ -13,7 +13,7 @@ Host copies are laid out as the slots are (lora/image.py), so filling a slot, re
 back and a flat update (lora/flat.py) are one copy per run of layers, not per tensor.
 
 The scheduler asks `can_acquire` / `acquire` / `release` per request; the engine's LoRA
-API (rollout/lora_api.py) adds, updates and removes adapters.
+API (rollout/adapters.py) adds, updates and removes adapters.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""Engine: the facade. generate(), the add_request / step / abort loop, stats() and
-update_weights(); the work is done by the parts in rollout/core/ (build, intake, step loop,
-outputs), the scheduler, the KV manager and the model runner.
+"""Engine: the facade. generate(), the add_request / step / abort loop, sleep / wake and
+stats() are here; the work is done by the parts in rollout/core/ (build, intake, step loop,
+outputs, pause), the scheduler, the KV manager and the model runner. Weight updates and
+their transports are WeightSync's (rollout/weights.py), LoRA adapters LoraAdapters'
+(rollout/adapters.py): each gets what it uses in its constructor, and the methods here
+delegate to them.
 
 Everything a caller hands the engine is validated before it is accepted, so a bad request
 raises and leaves the requests already accepted untouched.
@@ -10,30 +13,36 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rollout.adapters import LoraAdapters
 from rollout.config import EngineConfig
 from rollout.core.build import attach_backend, build_parts, check_device
 from rollout.core.intake import Intake, Limits
 from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.outputs import Outputs
+from rollout.core.pause import Outbox, Pause
 from rollout.core.step import StepLoop
 from rollout.distributed.tp import TensorParallel
 from rollout.metrics import Counters, EngineStats
-from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
 from rollout.structured.service import StructuredOutput
-from rollout.lora_api import LoraAdaptersMixin
-from rollout.validate import check_bool, check_int, check_pause_mode, named_tensor_list
-from rollout.weight_updates import WeightUpdatesMixin
+from rollout.validate import check_int
+from rollout.weights import DraftFollower, WeightSync
 from speculative import make_drafter
+
+if TYPE_CHECKING:
+    from lora.flat import FlatLoraAdapter
+    from lora.manager import LoraAdapterInfo
 
 log = logging.getLogger("rollout")
 
 
-class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
+class Engine:
     def __init__(self, config: EngineConfig, *, tensor_parallel: TensorParallel | None = None) -> None:
         """`tensor_parallel`: this rank's TP group when tensor_parallel_size > 1 (None: TP
         groups of consecutive ranks of the default group; see rollout/distributed/tp.py)."""
@@ -57,7 +66,6 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.context_len = parts.context_len
         self.kv_pool, self.kv, self.scheduler, self.runner = parts.kv_pool, parts.kv, parts.scheduler, parts.runner
 
-        self.weight_version = 0
         self.counters = Counters()
         self.outputs = Outputs(self.tokenizer, self.eos_token_ids, self.context_len)
         self.draft = parts.draft  # speculative="draft": the draft model's runner
@@ -73,11 +81,17 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.lora = parts.lora
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,
                              fork_samples=self.kv.tree is not None, lora=self.lora, structured=self.structured)
-        self._pending: list[RolloutOutput] = []  # finished outputs not yet handed out
         self.memory = MemorySaver(self.model, [*self.kv_pool.k_buffers, *self.kv_pool.v_buffers],
                                   self.lora.device_tensors() if self.lora is not None else [], self.device,
                                   draft=self.draft.model if self.draft is not None else None,
                                   draft_kv=self.draft.kv_tensors() if self.draft is not None else [])
+        self.outbox = Outbox()  # finished outputs not yet handed out: the next step() returns them
+        self.pause = Pause(self.scheduler, self.loop, self.counters, self.outbox, self.step, self.abort)
+        # the drafter is looked up per update: benchmarks and tests swap engine.drafter
+        self.adapters = LoraAdapters(self.lora, self.model_config, self.kv, self.scheduler, self.pause,
+                                     lambda: self.drafter)
+        self.weights = WeightSync(self.model, self.draft, self.tp, self.device, self.kv, self.memory, self.pause,
+                                  self.adapters, lambda: self.drafter)
 
     # ---- requests in ------------------------------------------------------------------
     def add_request(
@@ -129,7 +143,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
                 if out.request_id in wanted:
                     done[out.request_id] = out
                 else:
-                    self._pending.append(out)
+                    self.outbox.put([out])
             if progress:
                 _progress_line(len(done), len(wanted), self.counters.generated_tokens, time.perf_counter() - start)
         if progress:
@@ -153,33 +167,19 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         With overlap scheduling, a step launches its batch and then reads the previous
         step's tokens back while the device works: outputs arrive one step later."""
         t0 = time.perf_counter()
-        finished, self._pending = self._pending, []
+        finished = self.outbox.take()
         if self.memory.asleep or self.memory.weights_discarded:
             return finished  # accepted requests wait for wake() (and, after level 2, a full sync)
         finished.extend(self.loop.step(self.weight_version))
         self.counters.step_seconds += time.perf_counter() - t0
         return finished
 
-    def _pause(self, pause_mode: str, affected: Callable[[Req], bool] | None = None) -> None:
-        """Stop the requests an update affects (all, or those `affected` selects) from
-        running on: "wait" runs them to completion, "abort" finishes them as aborted,
-        "retract" sends them back to waiting to resume later. Every caller replaces what made
-        their KV (the weights, an adapter) or releases it (sleep), so it is dropped, not cached."""
-        self._pending.extend(self.loop.drain())
-        hit = affected or (lambda req: True)
-        if pause_mode == "wait":
-            while self.loop.inflight is not None or any(hit(r) for r in (*self.scheduler.running, *self.scheduler.waiting)):
-                done = self.step()  # step() hands out (and rebinds) _pending: extend the new list after it
-                self._pending.extend(done)
-        elif pause_mode == "abort":
-            for req in [r for r in (*self.scheduler.running, *self.scheduler.waiting) if hit(r)]:
-                out = self.abort(req.rid)
-                if out is not None:
-                    self._pending.append(out)
-        else:
-            self.counters.retractions += len(self.scheduler.retract_all(hit, keep_kv=False))
-
     # ---- weights ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """The policy's version: each update of the target model's weights adds one."""
+        return self.weights.version
+
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -201,55 +201,71 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         weights), the weights are written, the prefix cache is flushed (its KV was made by
         the old weights) and the version goes up.
         """
-        check_bool(full, "full")
-        check_pause_mode(pause_mode)
-        if "weights" in self.memory.asleep:
-            raise RuntimeError("update_weights: the weights are asleep; wake(['weights']) first")
-        if self.memory.weights_discarded and not full:
-            raise ValueError("update_weights: sleep(level=2) discarded the weights; the next update must be full=True")
-        # every TP rank takes the stream and validates its shard, then all write or none does
-        # (a rank whose stream or shard fails makes every rank refuse: TensorParallel.agree)
-        writes, draft_writes = self.tp.agree(lambda: self._plan_update(named_tensors, full, target), "update_weights")
-        if writes is not None:
-            self._pause(pause_mode)
-        if draft_writes is not None:  # between steps the draft holds no step's work: no pause
-            apply_writes(draft_writes)
-        if writes is not None:
-            apply_writes(writes)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if writes is not None:
-            self.kv.flush()
-            if self.drafter is not None:
-                self.drafter.policy_changed()
-            self.memory.weights_discarded = False
-            self.weight_version += 1
-        if draft_writes is not None:
-            self.drafter.on_draft_update(self.weight_version)  # type: ignore[union-attr]
-        return self.weight_version
+        return self.weights.update(named_tensors, full=full, pause_mode=pause_mode, target=target)
 
-    def _plan_update(self, named_tensors: Iterable, full: bool, target: str) -> tuple[list | None, list | None]:
-        """(the target's writes, the draft's), all validated; None where nothing goes."""
-        pairs, draft_pairs = self._split_draft(named_tensor_list(named_tensors), target)
-        draft_writes = self.draft.plan_update(draft_pairs, full) if draft_pairs else None  # type: ignore[union-attr]
-        writes = plan_writes(self.model, pairs, full=full) if pairs or draft_writes is None else None
-        return writes, draft_writes
+    def update_weights_from_disk(self, path: str | Path, *, full: bool = True, pause_mode: str = "retract",
+                                 lora_name: str | None = None, target: str = "model") -> int:
+        """Load an update from a safetensors directory (with or without an index), or with
+        `lora_name` an adapter's new tensors from a PEFT directory (save_pretrained)."""
+        return self.weights.update_from_disk(path, full=full, pause_mode=pause_mode, lora_name=lora_name,
+                                             target=target)
 
-    def _split_draft(self, pairs: list, target: str) -> tuple[list, list]:
-        """(the target's tensors, the draft's): by `target`, or by the "draft." name prefix."""
-        if target not in ("model", "draft"):
-            raise ValueError(f"update_weights: target={target!r}: expected 'model' or 'draft'")
-        if target == "draft":
-            mine, draft = [], pairs
-        else:
-            mine = [(n, t) for n, t in pairs if not n.startswith("draft.")]
-            draft = [(n[len("draft."):], t) for n, t in pairs if n.startswith("draft.")]
-        if draft and self.draft is None:
-            raise ValueError(f"update_weights: {'target=' + repr(target) if target == 'draft' else repr(pairs[0][0])}"
-                             " names the draft model, and this engine has none (speculative='draft')")
-        if target == "draft" and not draft:
-            raise ValueError("update_weights(target='draft'): no tensors given")
-        return mine, draft
+    def update_weights_from_ipc(self, endpoint: str, *, full: bool = True, pause_mode: str = "retract",
+                                timeout_s: float = 300.0, lora_name: str | None = None, target: str = "model") -> int:
+        """Serve one CUDA IPC update on `endpoint` (loopback tcp or ipc://); the trainer's
+        CudaIpcSender.send() returns the new version or raises with the engine's error."""
+        return self.weights.update_from_ipc(endpoint, full=full, pause_mode=pause_mode, timeout_s=timeout_s,
+                                            lora_name=lora_name, target=target)
+
+    def init_weight_sync_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                               backend: str = "gloo", *, timeout_s: float = 300.0,
+                               join_timeout_s: float | None = None) -> None:
+        """Join the trainer's weight-sync group as rank `rank_offset` (the trainer is rank 0).
+        Every rank calls this with the same address; it returns once all have joined."""
+        self.weights.init_group(master_addr, master_port, rank_offset, world_size, backend, timeout_s=timeout_s,
+                                join_timeout_s=join_timeout_s)
+
+    def update_weights_from_distributed(self, *, full: bool = True, pause_mode: str = "retract",
+                                        lora_name: str | None = None, target: str = "model") -> int:
+        """Receive one broadcast update from the trainer (it calls BroadcastSender.send)."""
+        return self.weights.update_from_distributed(full=full, pause_mode=pause_mode, lora_name=lora_name,
+                                                    target=target)
+
+    def destroy_weight_sync_group(self) -> None:
+        self.weights.destroy_group()
+
+    # ---- LoRA adapters ----------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str | Path | None = None, *,
+                          tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
+                          config: Mapping[str, Any] | None = None) -> LoraAdapterInfo:
+        """Load a PEFT adapter under `name`: from a directory (adapter_config.json +
+        adapter_model.safetensors; a pickled .bin is refused, never opened), or from a PEFT
+        state dict (`get_peft_model_state_dict` names) plus a LoraConfig-style dict."""
+        return self.adapters.load(name, path, tensors=tensors, config=config)
+
+    def list_lora_adapters(self) -> list[LoraAdapterInfo]:
+        return self.adapters.loaded()
+
+    def update_lora_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter, *,
+                            pause_mode: str = "retract") -> int:
+        """Replace some or all of an adapter's tensors in place, given by PEFT state-dict
+        names or as one flat buffer (`lora.FlatLoraAdapter`: a dozen copies instead of one
+        per tensor); returns its new version. Validated whole before anything is written;
+        the requests running under it are paused by `pause_mode` ("retract": resume under
+        the new version; "wait": finish under the old one first; "abort"); its cached KV is
+        dropped. Other adapters and the base model keep serving, their caches untouched."""
+        return self.adapters.update({name: named_tensors}, pause_mode=pause_mode)[name]
+
+    def update_lora_adapters(self, updates: Mapping[str, Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter], *,
+                             pause_mode: str = "retract") -> dict[str, int]:
+        """`update_lora_adapter` for several adapters in one call: all of them validated
+        (names, shapes, then every value with one host sync in all) before any is written,
+        so a bad tensor in one leaves every adapter as it was. Returns each new version."""
+        return self.adapters.update(updates, pause_mode=pause_mode)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Refused while requests (running or waiting) use the adapter."""
+        self.adapters.unload(name)
 
     # ---- sleep / wake -----------------------------------------------------------------
     def sleep(self, level: int = 1) -> SleepStats:
@@ -263,8 +279,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         level = check_int(level, "level", min=1, max=2)
         if self.memory.asleep:
             raise RuntimeError(f"sleep: already asleep ({sorted(self.memory.asleep)} released); wake() first")
-        self._pending.extend(self.loop.drain())
-        self.counters.retractions += len(self.scheduler.retract_all(keep_kv=False))
+        self.pause("retract")  # every request: its KV is released below
         self.kv.flush()
         if self.lora is not None:
             self.lora.evict_all()
@@ -315,6 +330,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
     def stats(self) -> EngineStats:
         c = self.counters
         used = self.kv.used_slots()
+        drafter = self.drafter if isinstance(self.drafter, DraftFollower) else None  # speculative="draft"
         return EngineStats(
             tokens_per_second=c.generated_tokens / c.step_seconds if c.step_seconds else 0.0,
             prefix_cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
@@ -327,8 +343,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             counters=dict(vars(c)),
             mean_accepted_length=c.accepted_tokens / c.verify_steps if c.verify_steps else 0.0,
             draft_acceptance_rate=c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0,
-            draft_weight_version=self.drafter.weight_version if self.draft is not None else None,  # type: ignore[union-attr]
-            draft_stale=self.draft is not None and self.drafter.stale,  # type: ignore[union-attr]
+            draft_weight_version=drafter.weight_version if drafter is not None else None,
+            draft_stale=drafter is not None and drafter.stale,
         )
 
     def flush_cache(self) -> None:

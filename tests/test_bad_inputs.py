@@ -163,7 +163,7 @@ def test_init_weight_sync_group_refuses_before_connecting(engine: Engine, llama:
     args.update(kwargs)
     with pytest.raises(error, match=message):
         engine.init_weight_sync_group(**args)
-    assert engine._sync_group is None
+    assert engine.weights.group is None
     _still_serves(engine, llama)
 
 

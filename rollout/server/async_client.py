@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import weakref
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,12 +164,12 @@ class AsyncRolloutClient:
                 raise core.timeout_error(self.address, "get_outputs", limit) from None
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
-        return bool(await self._call(protocol.Abort(request_id), timeout, "abort"))
+        return await self._call(protocol.Abort(request_id), timeout, "abort")
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool = False,
                              pause_mode: str = "retract", target: str = "model", timeout: float | None = None) -> int:
         request = protocol.UpdateWeights(full=full, pause_mode=pause_mode, target=target,
-                                         tensors=core.tensor_pairs(named_tensors))
+                                         named_tensors=core.tensor_pairs(named_tensors))
         return await self._call(request, timeout, "update_weights")
 
     async def update_weights_from_disk(self, path: str | Path, *, full: bool = True, pause_mode: str = "retract",
@@ -212,6 +212,10 @@ class AsyncRolloutClient:
         request = protocol.UpdateLoraAdapter(name, pause_mode, core.tensor_pairs(named_tensors))
         return await self._call(request, timeout, "update_lora_adapter")
 
+    async def update_lora_adapters(self, updates: Mapping[str, Iterable[tuple[str, torch.Tensor]]], *,
+                                   pause_mode: str = "retract", timeout: float | None = None) -> dict[str, int]:
+        return await self._call(core.lora_updates_request(updates, pause_mode), timeout, "update_lora_adapters")
+
     async def list_lora_adapters(self, *, timeout: float | None = None) -> list:
         return await self._call(protocol.ListLoraAdapters(), timeout, "list_lora_adapters")
 
@@ -220,6 +224,9 @@ class AsyncRolloutClient:
 
     async def wake(self, tags: Sequence[str] | None = None, *, timeout: float | None = None) -> Any:
         return await self._call(protocol.Wake(list(tags) if tags is not None else None), timeout, "wake")
+
+    async def flush_cache(self, *, timeout: float | None = None) -> None:
+        await self._call(protocol.FlushCache(), timeout, "flush_cache")
 
     async def stats(self, *, timeout: float | None = None):
         return await self._call(protocol.Stats(), timeout, "stats")

@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,14 +183,14 @@ class RolloutClient:
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Abort a request (one sample, or all samples of a prompt by its base id). Its output,
         marked "abort", goes to whoever waits for it (stream, generate, get_outputs)."""
-        return bool(self._call(protocol.Abort(request_id), timeout, "abort"))
+        return self._call(protocol.Abort(request_id), timeout, "abort")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, full: bool = False,
                        pause_mode: str = "retract", target: str = "model", timeout: float | None = None) -> int:
         """Send tensors in the request itself (raw frames): small models and tests; a large
         model goes by disk, CUDA IPC or broadcast."""
         request = protocol.UpdateWeights(full=full, pause_mode=pause_mode, target=target,
-                                         tensors=core.tensor_pairs(named_tensors))
+                                         named_tensors=core.tensor_pairs(named_tensors))
         return self._call(request, timeout, "update_weights")
 
     def update_weights_from_disk(self, path: str | Path, *, full: bool = True, pause_mode: str = "retract",
@@ -238,6 +238,11 @@ class RolloutClient:
         request = protocol.UpdateLoraAdapter(name, pause_mode, core.tensor_pairs(named_tensors))
         return self._call(request, timeout, "update_lora_adapter")
 
+    def update_lora_adapters(self, updates: Mapping[str, Iterable[tuple[str, torch.Tensor]]], *,
+                             pause_mode: str = "retract", timeout: float | None = None) -> dict[str, int]:
+        """Several adapters updated atomically (as Engine.update_lora_adapters); returns each new version."""
+        return self._call(core.lora_updates_request(updates, pause_mode), timeout, "update_lora_adapters")
+
     def list_lora_adapters(self, *, timeout: float | None = None) -> list:
         return self._call(protocol.ListLoraAdapters(), timeout, "list_lora_adapters")
 
@@ -249,6 +254,10 @@ class RolloutClient:
 
     def wake(self, tags: Sequence[str] | None = None, *, timeout: float | None = None) -> Any:
         return self._call(protocol.Wake(list(tags) if tags is not None else None), timeout, "wake")
+
+    def flush_cache(self, *, timeout: float | None = None) -> None:
+        """Drop the engine's prefix cache (refused while requests run)."""
+        self._call(protocol.FlushCache(), timeout, "flush_cache")
 
     def stats(self, *, timeout: float | None = None):
         return self._call(protocol.Stats(), timeout, "stats")

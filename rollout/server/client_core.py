@@ -29,10 +29,10 @@ import zmq
 
 from lora.flat import FlatLoraAdapter
 from rollout.core.intake import split_batch, split_lora_names
-from rollout.metrics import EngineStats
 from rollout.request import RolloutOutput, SamplingParams
-from rollout.server import codec, protocol
+from rollout.server import protocol
 from rollout.server.errors import EngineDeadError, EngineError, EngineTimeoutError, ProtocolError
+from rollout.server.optable import OPS
 from rollout.validate import check_str, named_tensor_list, token_ids
 from weightsync.transports.zmq_lifetime import ZmqSockets
 
@@ -209,6 +209,16 @@ def tensor_pairs(named_tensors: Any) -> list[tuple[str, Any]]:
     return named_tensor_list(named_tensors)
 
 
+def lora_updates_request(updates: Any, pause_mode: str) -> protocol.UpdateLoraAdapters:
+    """Engine.update_lora_adapters' {adapter name: tensors} as one request: the names, how
+    many tensors each has, and the tensors in that order."""
+    if not isinstance(updates, Mapping):
+        raise ValueError("update_lora_adapters: expected a non-empty {adapter name: tensors} mapping")
+    pairs = {check_str(name, "lora_name"): tensor_pairs(tensors) for name, tensors in updates.items()}
+    return protocol.UpdateLoraAdapters(names=list(pairs), counts=[len(p) for p in pairs.values()],
+                                       pause_mode=pause_mode, named_tensors=[t for p in pairs.values() for t in p])
+
+
 def load_lora_request(name: str, path: str | Path | None, tensors: Any, config: Any) -> protocol.LoadLoraAdapter:
     if config is not None and hasattr(config, "to_dict"):
         config = config.to_dict()  # a peft LoraConfig
@@ -234,53 +244,13 @@ def _plain_config(value: Any, where: str) -> Any:
 
 
 # ---- replies -> results --------------------------------------------------------------------
-def _lora_info(raw: Any):
-    from lora.manager import LoraAdapterInfo
-
-    return codec.from_plain(LoraAdapterInfo, raw, "adapter")
-
-
-def _sleep_stats(raw: Any):
-    """sleep() / wake() return SleepStats, as in-process."""
-    from rollout.core.memory import SleepStats
-
-    return None if raw is None else codec.from_plain(SleepStats, raw, "sleep stats")
-
-
-RESULTS = {
-    "sleep": _sleep_stats,
-    "wake": _sleep_stats,
-    "hello": lambda raw: codec.from_plain(protocol.ServerInfo, raw, "hello"),
-    "model_info": lambda raw: codec.from_plain(protocol.ModelInfo, raw, "model_info"),
-    "health": lambda raw: codec.from_plain(protocol.HealthInfo, raw, "health"),
-    "stats": lambda raw: codec.from_plain(EngineStats, raw, "stats"),
-    "load_lora_adapter": _lora_info,
-    "list_lora_adapters": lambda raw: [_lora_info(r) for r in codec.check_value(raw, list[Any], "adapters")],
-    "update_weights": lambda raw: codec.check_value(raw, int, "version"),
-    "update_weights_from_disk": lambda raw: codec.check_value(raw, int, "version"),
-    "update_weights_from_ipc": lambda raw: codec.check_value(raw, int, "version"),
-    "update_weights_from_distributed": lambda raw: codec.check_value(raw, int, "version"),
-    "update_lora_adapter": lambda raw: codec.check_value(raw, int, "version"),
-    "add": lambda raw: codec.check_value(codec.check_value(raw, dict[str, Any], "add")["request_ids"], list[str], "request_ids"),
-    "abort": lambda raw: codec.check_value(codec.check_value(raw, dict[str, Any], "abort")["aborted"], list[str], "aborted"),
-}
-
-
 def result_of(op: str, message: protocol.Message) -> Any:
-    """A call's single answer as the Engine would return it (outputs for generate)."""
+    """A call's single answer as the Engine would return it (optable.py: each op's reply)."""
     if isinstance(message, protocol.ErrorReply):
         raise remote_error(message)
     if not isinstance(message, protocol.Reply):
         raise ProtocolError(f"{op}: expected a reply, got {type(message).__name__}")
-    if op == "generate":
-        if message.outputs is None:
-            raise ProtocolError("generate: the reply carries no outputs")
-        return message.outputs
-    convert = RESULTS.get(op)
-    try:
-        return convert(message.result) if convert is not None else message.result
-    except (KeyError, TypeError) as error:
-        raise ProtocolError(f"{op}: malformed result ({error})") from None
+    return OPS[op].result(message)
 
 
 @dataclasses.dataclass

@@ -17,7 +17,8 @@ Guarantees:
   went unanswered for client_timeout_s) has its requests aborted and their KV freed;
   clients owning requests are probed every probe_interval_s so that a silent one is noticed.
 
-Which message does what is in ops.py; who owns which request in sessions.py.
+Which message does what is in optable.py (one row per op) and ops.py; who owns which
+request in sessions.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rollout.server import protocol
 from rollout.server.background import Background, BackgroundDone, Inbox, LoopCall
 from rollout.server.errors import ProtocolError
 from rollout.server.ops import DEFERRED, EngineOps
+from rollout.server.optable import OPS
 from rollout.server.sessions import Sessions
 from rollout.server.text_worker import Outbound, StopHit, TextWorker, Tokenized
 from rollout.validate import check_bool, check_float, check_int
@@ -78,7 +80,7 @@ def check_server_address(address: str, allow_remote: bool = False) -> str:
                          "tcp://127.0.0.1:PORT (localhost, [::1]) unless started with --allow-remote") from None
 
 
-class EngineServer(EngineOps):
+class EngineServer:
     def __init__(self, engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
@@ -88,6 +90,7 @@ class EngineServer(EngineOps):
         self.background = Background(self.inbox)
         self.keep_text_off_loop()
         self.text = TextWorker(engine.tokenizer, self.inbox.post)
+        self.ops = EngineOps(engine, self, self.sessions, self.text, self.background, config.limits, self.started)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self._configure(self.socket)
@@ -175,8 +178,11 @@ class EngineServer(EngineOps):
             log.info("refused a message from %s: %s", identity.hex(), error)
             self.send_error(identity, getattr(error, "call_id", None), error)
             return
+        op = OPS[request.op]
+        if op.finishes_requests:  # their outputs wait in the engine for the next step
+            self.step_pending = True
         try:
-            result = getattr(self, "op_" + request.op)(identity, call_id, request)
+            result = self.ops.run(op, identity, call_id, request)
         except Exception as error:
             self.send_error(identity, call_id, error)
             return
@@ -190,7 +196,7 @@ class EngineServer(EngineOps):
             elif isinstance(item, StopHit):
                 self.abort_rids([item.rid])
             elif isinstance(item, Tokenized):
-                self.continue_tokenized(item)
+                self.ops.continue_tokenized(item)
             elif isinstance(item, LoopCall):
                 item.run()
                 self.step_pending = True

@@ -1,8 +1,11 @@
-"""What each request does to the engine: `op_<name>(identity, call_id, request)` returns the
+"""What each request does to the engine. `EngineOps.run` serves one request as its row in
+optable.py says: the row's Engine call (on the loop, or on a background thread), or the
+handler of the op's name here, `<op>(identity, call_id, request)`. Either returns the
 reply's result, or DEFERRED when the answer comes later (a generate's outputs, a weight
 sync that waits for its trainer).
 
-Mostly one engine call each, with two rules of the engine process applied on the way in:
+The handlers are the ops that are more than one Engine call, with two rules of the engine
+process applied on the way in:
 - text never reaches the step loop: text prompts go to the text thread to be tokenized
   first, and `stop` strings are taken out of the SamplingParams the engine gets (the text
   thread watches for them, text_worker.py);
@@ -14,24 +17,69 @@ Mostly one engine call each, with two rules of the engine process applied on the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.request import SamplingParams
 from rollout.server import codec, protocol
-from rollout.server.text_worker import Route, Tokenized, Watch
+from rollout.server.background import Background
+from rollout.server.optable import BACKGROUND, HANDLER, Op
+from rollout.server.sessions import Sessions
+from rollout.server.text_worker import Route, TextWorker, Tokenized, Watch
+
+if TYPE_CHECKING:
+    from rollout.engine import Engine
 
 DEFERRED = object()  # the handler answers later
 
 
+class Server(Protocol):
+    """What the handlers ask of the engine process (EngineServer, engine_process.py)."""
+
+    def send(self, identity: bytes, message: protocol.Message) -> None: ...
+
+    def send_error(self, identity: bytes, call_id: int | None, error: BaseException) -> None: ...
+
+    def abort_rids(self, rids: list[str]) -> list[str]:
+        """Abort requests that clients follow (their outputs go to them); returns those aborted."""
+        ...
+
+    def stop(self) -> None: ...
+
+    def keep_text_off_loop(self) -> None: ...
+
+
 class EngineOps:
-    """Mixed into EngineServer (engine_process.py), whose state it uses: engine, sessions,
-    text, background, config, started, running, step_pending, send, send_error, abort_rids,
-    keep_text_off_loop."""
+    """`server`: the engine process, for replies and for what it owns (the requests clients
+    follow, its loop); `started`: when it started (time.monotonic), for health."""
+
+    def __init__(self, engine: Engine, server: Server, sessions: Sessions, text: TextWorker, background: Background,
+                 limits: protocol.Limits, started: float) -> None:
+        self.engine = engine
+        self.server = server
+        self.sessions = sessions
+        self.text = text
+        self.background = background
+        self.limits = limits
+        self.started = started
+
+    def run(self, op: Op, identity: bytes, call_id: int, request: protocol.Request) -> Any:
+        if op.run == HANDLER or op.engine is None:  # (a row that is no HANDLER names its Engine method)
+            return getattr(self, op.name)(identity, call_id, request)
+        call = functools.partial(getattr(self.engine, op.engine), **op.engine_kwargs(request))
+        if op.run == BACKGROUND:
+            # Off the loop, so other clients are served meanwhile: the call waits on other parties
+            # (init_weight_sync_group: every rank joining) and touches nothing the loop reads
+            # until it has returned (the group is set once joined; its users are refused meanwhile).
+            self.background.start(identity, call_id, op.name, call)
+            return DEFERRED
+        return codec.to_plain(call())
 
     # ---- introspection -----------------------------------------------------------------------
-    def model_info(self) -> protocol.ModelInfo:
+    def _model_info(self) -> protocol.ModelInfo:
         e = self.engine
         lora = bool(e.config.enable_lora)
         return protocol.ModelInfo(
@@ -40,36 +88,30 @@ class EngineOps:
             device=str(e.device), dtype=e.config.dtype, enable_lora=lora, max_lora_rank=e.config.max_lora_rank if lora else None,
         )
 
-    def op_hello(self, identity: bytes, call_id: int, request: protocol.Hello) -> protocol.ServerInfo:
-        limits = self.config.limits
-        return protocol.ServerInfo(protocol.PROTOCOL_VERSION, identity.hex(), self.model_info(),
-                                   limits.max_header_bytes, limits.max_tensor_bytes)
+    def hello(self, identity: bytes, call_id: int, request: protocol.Hello) -> protocol.ServerInfo:
+        return protocol.ServerInfo(protocol.PROTOCOL_VERSION, identity.hex(), self._model_info(),
+                                   self.limits.max_header_bytes, self.limits.max_tensor_bytes)
 
-    def op_model_info(self, identity: bytes, call_id: int, request: protocol.GetModelInfo) -> protocol.ModelInfo:
-        return self.model_info()
+    def model_info(self, identity: bytes, call_id: int, request: protocol.GetModelInfo) -> protocol.ModelInfo:
+        return self._model_info()
 
-    def op_stats(self, identity: bytes, call_id: int, request: protocol.Stats):
-        return self.engine.stats()
-
-    def op_health(self, identity: bytes, call_id: int, request: protocol.Health) -> protocol.HealthInfo:
-        import time
-
+    def health(self, identity: bytes, call_id: int, request: protocol.Health) -> protocol.HealthInfo:
         stats = self.engine.stats()
         return protocol.HealthInfo(True, stats.weight_version, stats.num_running, stats.num_waiting, len(self.sessions),
                                    time.monotonic() - self.started)
 
-    def op_shutdown(self, identity: bytes, call_id: int, request: protocol.Shutdown) -> None:
-        self.running = False
+    def shutdown(self, identity: bytes, call_id: int, request: protocol.Shutdown) -> None:
+        self.server.stop()
 
     # ---- generation ----------------------------------------------------------------------------
-    def op_generate(self, identity: bytes, call_id: int, request: protocol.Generate) -> Any:
+    def generate(self, identity: bytes, call_id: int, request: protocol.Generate) -> Any:
         if request.prompts is not None:
             self._need_tokenizer("prompt text given but the engine has no tokenizer; pass input_ids")
             self.text.tokenize(identity, call_id, request)
             return DEFERRED
         return self._start_generate(identity, call_id, request)
 
-    def op_add(self, identity: bytes, call_id: int, request: protocol.Add) -> Any:
+    def add(self, identity: bytes, call_id: int, request: protocol.Add) -> Any:
         if request.prompt is not None:
             self._need_tokenizer("prompt text given but the engine has no tokenizer; pass input_ids")
             self.text.tokenize(identity, call_id, request)
@@ -78,20 +120,22 @@ class EngineOps:
 
     def continue_tokenized(self, item: Tokenized) -> None:
         if item.error is not None:
-            self.send_error(item.identity, item.call_id, item.error)
+            self.server.send_error(item.identity, item.call_id, item.error)
             return
-        start = self._start_generate if isinstance(item.request, protocol.Generate) else self._start_add
         try:
-            result = start(item.identity, item.call_id, item.request)
+            if isinstance(item.request, protocol.Generate):
+                result = self._start_generate(item.identity, item.call_id, item.request)
+            else:
+                result = self._start_add(item.identity, item.call_id, item.request)
         except Exception as error:
-            self.send_error(item.identity, item.call_id, error)
+            self.server.send_error(item.identity, item.call_id, error)
             return
         if result is not DEFERRED:
-            self.send(item.identity, protocol.Reply(item.call_id, result))
+            self.server.send(item.identity, protocol.Reply(item.call_id, result))
 
     def _start_generate(self, identity: bytes, call_id: int, request: protocol.Generate) -> Any:
         if not request.input_ids:
-            self.send(identity, protocol.Reply(call_id, None, []))
+            self.server.send(identity, protocol.Reply(call_id, None, []))
             return DEFERRED
         session = self.sessions.open(identity)
         added: list[tuple[list[str], str, tuple[str, ...]]] = []
@@ -146,30 +190,20 @@ class EngineOps:
         if self.text.tokenizer is None:
             raise ValueError(message)
 
-    def op_abort(self, identity: bytes, call_id: int, request: protocol.Abort) -> dict:
+    def abort(self, identity: bytes, call_id: int, request: protocol.Abort) -> dict:
         session = self.sessions.get(identity)
         rids = self.sessions.find(session, request.request_id) if session is not None else []
         prefix = identity.hex() + "/"
-        return {"aborted": [rid[len(prefix) :] for rid in self.abort_rids(rids)]}
+        return {"aborted": [rid[len(prefix) :] for rid in self.server.abort_rids(rids)]}
 
-    def op_cancel(self, identity: bytes, call_id: int, request: protocol.Cancel) -> dict:
+    def cancel(self, identity: bytes, call_id: int, request: protocol.Cancel) -> dict:
         session = self.sessions.get(identity)
         rids = sorted(session.calls.get(request.call_id, ())) if session is not None else []
         prefix = identity.hex() + "/"
-        return {"aborted": [rid[len(prefix) :] for rid in self.abort_rids(rids)]}
+        return {"aborted": [rid[len(prefix) :] for rid in self.server.abort_rids(rids)]}
 
     # ---- weights -------------------------------------------------------------------------------
-    def op_update_weights(self, identity: bytes, call_id: int, request: protocol.UpdateWeights) -> int:
-        self.step_pending = True  # a pause may have finished requests: their outputs wait in the engine
-        return self.engine.update_weights(request.tensors, full=request.full, pause_mode=request.pause_mode,
-                                          target=request.target)
-
-    def op_update_weights_from_disk(self, identity: bytes, call_id: int, request: protocol.UpdateWeightsFromDisk) -> int:
-        self.step_pending = True
-        return self.engine.update_weights_from_disk(request.path, full=request.full, pause_mode=request.pause_mode,
-                                                    lora_name=request.lora_name, target=request.target)
-
-    def op_update_weights_from_ipc(self, identity: bytes, call_id: int, request: protocol.UpdateWeightsFromIpc) -> Any:
+    def update_weights_from_ipc(self, identity: bytes, call_id: int, request: protocol.UpdateWeightsFromIpc) -> Any:
         """Bind the endpoint and wait for the trainer on a background thread; when its first
         message is in, the update itself runs on the loop (the same calls as
         Engine.update_weights_from_ipc, split where the wait ends)."""
@@ -177,7 +211,7 @@ class EngineOps:
             raise ValueError(f"update_weights_from_ipc: CUDA IPC needs a CUDA engine; this one is on {self.engine.device}")
         # the engine's own choice of where the stream goes (base weights, draft model, an
         # adapter), so that the arguments are checked as in-process update_weights_from_ipc does
-        apply = self.engine.update_applier(request.lora_name, request.full, request.pause_mode, request.target)
+        apply = self.engine.weights.applier(request.lora_name, request.full, request.pause_mode, request.target)
         background, device = self.background, self.engine.device
 
         def on_trainer_message(stream: Iterable) -> int:
@@ -197,24 +231,14 @@ class EngineOps:
         self.background.start(identity, call_id, request.op, job)
         return DEFERRED
 
-    def op_init_weight_sync_group(self, identity: bytes, call_id: int, request: protocol.InitWeightSyncGroup) -> Any:
-        # Joining waits for every rank; it only sets the engine's group once joined, which
-        # nothing on the loop reads until update_weights_from_distributed (refused meanwhile).
-        r = request
-        self.background.start(identity, call_id, r.op, lambda: self.engine.init_weight_sync_group(
-            r.master_addr, r.master_port, r.rank_offset, r.world_size, r.backend, timeout_s=r.timeout_s,
-            join_timeout_s=r.join_timeout_s))
-        return DEFERRED
-
-    def op_update_weights_from_distributed(self, identity: bytes, call_id: int,
-                                           request: protocol.UpdateWeightsFromDistributed) -> int:
+    def update_weights_from_distributed(self, identity: bytes, call_id: int,
+                                        request: protocol.UpdateWeightsFromDistributed) -> int:
         self._group_idle(request.op)
-        self.step_pending = True
         # On the loop: the broadcast is the update itself (call it when the trainer is about to send).
         return self.engine.update_weights_from_distributed(full=request.full, pause_mode=request.pause_mode,
                                                            lora_name=request.lora_name, target=request.target)
 
-    def op_destroy_weight_sync_group(self, identity: bytes, call_id: int, request: protocol.DestroyWeightSyncGroup) -> None:
+    def destroy_weight_sync_group(self, identity: bytes, call_id: int, request: protocol.DestroyWeightSyncGroup) -> None:
         self._group_idle(request.op)
         self.engine.destroy_weight_sync_group()
 
@@ -223,35 +247,12 @@ class EngineOps:
             raise RuntimeError(f"{op}: the engine is still joining the weight-sync group")
 
     # ---- LoRA ----------------------------------------------------------------------------------
-    def op_load_lora_adapter(self, identity: bytes, call_id: int, request: protocol.LoadLoraAdapter):
-        return self.engine.load_lora_adapter(request.name, request.path, tensors=request.tensors, config=request.config)
-
-    def op_unload_lora_adapter(self, identity: bytes, call_id: int, request: protocol.UnloadLoraAdapter) -> None:
-        self.step_pending = True  # unloading reads the step in flight back: its outputs wait in the engine
-        self.engine.unload_lora_adapter(request.name)
-
-    def op_update_lora_adapter(self, identity: bytes, call_id: int, request: protocol.UpdateLoraAdapter) -> int:
-        self.step_pending = True
-        return self.engine.update_lora_adapter(request.name, request.tensors, pause_mode=request.pause_mode)
-
-    def op_list_lora_adapters(self, identity: bytes, call_id: int, request: protocol.ListLoraAdapters) -> list:
-        return self.engine.list_lora_adapters()
+    def update_lora_adapters(self, identity: bytes, call_id: int, request: protocol.UpdateLoraAdapters) -> dict:
+        return self.engine.update_lora_adapters(request.updates(), pause_mode=request.pause_mode)
 
     # ---- memory --------------------------------------------------------------------------------
-    def op_sleep(self, identity: bytes, call_id: int, request: protocol.Sleep) -> Any:
-        self.step_pending = True
-        return _plain_or_none(self.engine.sleep(request.level))
-
-    def op_wake(self, identity: bytes, call_id: int, request: protocol.Wake) -> Any:
-        self.step_pending = True
+    def wake(self, identity: bytes, call_id: int, request: protocol.Wake) -> Any:
         try:
-            return _plain_or_none(self.engine.wake(request.tags))
+            return codec.to_plain(self.engine.wake(request.tags))
         finally:
-            self.keep_text_off_loop()
-
-
-def _plain_or_none(value: Any) -> Any:
-    try:
-        return codec.to_plain(value)
-    except TypeError:
-        return None
+            self.server.keep_text_off_loop()

@@ -60,8 +60,9 @@ def _check_positive(value: float | None, name: str) -> None:
 
 # ---- requests (client -> engine) -------------------------------------------------------------
 class Request:
-    """Base of the ops below; an op that carries tensors declares a `tensors` field
-    (metadata frames=True: the header describes them, raw frames carry them)."""
+    """Base of the ops below; an op that carries tensors declares one field of (name, tensor)
+    pairs with metadata frames=True: the header's "tensors" describes them, raw frames carry
+    them. Fields are named as the Engine method's parameters they carry (optable.py)."""
 
     op: ClassVar[str]
 
@@ -130,7 +131,7 @@ class UpdateWeights(Request):
     full: bool = False
     pause_mode: str = "retract"
     target: str = "model"  # or "draft": the draft model's weights (speculative="draft")
-    tensors: NamedTensors = field(default_factory=list, metadata=_FRAMES)
+    named_tensors: NamedTensors = field(default_factory=list, metadata=_FRAMES)
 
     def __post_init__(self) -> None:
         check_pause_mode(self.pause_mode)
@@ -221,10 +222,39 @@ class UpdateLoraAdapter(Request):
     op: ClassVar[str] = "update_lora_adapter"
     name: str
     pause_mode: str = "retract"
-    tensors: NamedTensors = field(default_factory=list, metadata=_FRAMES)
+    named_tensors: NamedTensors = field(default_factory=list, metadata=_FRAMES)
 
     def __post_init__(self) -> None:
         check_pause_mode(self.pause_mode)
+
+
+@dataclass(frozen=True)
+class UpdateLoraAdapters(Request):
+    """Several adapters in one atomic update: adapter names[i]'s tensors are the next
+    counts[i] of named_tensors."""
+
+    op: ClassVar[str] = "update_lora_adapters"
+    names: list[str]
+    counts: list[int]
+    pause_mode: str = "retract"
+    named_tensors: NamedTensors = field(default_factory=list, metadata=_FRAMES)
+
+    def __post_init__(self) -> None:
+        check_pause_mode(self.pause_mode)
+        if len(self.counts) != len(self.names):
+            raise ValueError(f"update_lora_adapters: {len(self.names)} names but {len(self.counts)} counts")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"update_lora_adapters: an adapter named twice in {self.names}")
+        if any(c < 0 for c in self.counts) or sum(self.counts) != len(self.named_tensors):
+            raise ValueError(f"update_lora_adapters: counts {self.counts} do not add up to the "
+                             f"{len(self.named_tensors)} tensors sent")
+
+    def updates(self) -> dict[str, list]:
+        """{adapter name: its (name, tensor) pairs}, as Engine.update_lora_adapters takes them."""
+        out, at = {}, 0
+        for name, count in zip(self.names, self.counts):
+            out[name], at = self.named_tensors[at : at + count], at + count
+        return out
 
 
 @dataclass(frozen=True)
@@ -253,6 +283,11 @@ class Stats(Request):
 
 
 @dataclass(frozen=True)
+class FlushCache(Request):
+    op: ClassVar[str] = "flush_cache"
+
+
+@dataclass(frozen=True)
 class Health(Request):
     op: ClassVar[str] = "health"
 
@@ -267,11 +302,8 @@ class Shutdown(Request):
     op: ClassVar[str] = "shutdown"
 
 
-REQUESTS: dict[str, type] = {cls.op: cls for cls in (
-    Hello, Generate, Add, Abort, Cancel, UpdateWeights, UpdateWeightsFromDisk, UpdateWeightsFromIpc,
-    UpdateWeightsFromDistributed, InitWeightSyncGroup, DestroyWeightSyncGroup, LoadLoraAdapter,
-    UnloadLoraAdapter, UpdateLoraAdapter, ListLoraAdapters, Sleep, Wake, Stats, Health, GetModelInfo, Shutdown,
-)}
+# every op's request, by name (what each op does: optable.py)
+REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in Request.__subclasses__()}
 
 
 # ---- results (engine -> client, inside a reply) ------------------------------------------------
@@ -359,10 +391,16 @@ Message = Reply | ErrorReply | Event | Probe
 def encode_request(call_id: int, request: Request) -> list[Any]:
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": call_id, "op": request.op, "args": codec.to_plain(request)}
     frames: list[Any] = []
-    tensors = getattr(request, "tensors", None)
+    carrier = _tensor_field(type(request))
+    tensors = getattr(request, carrier) if carrier is not None else None
     if tensors is not None:
         header["tensors"], frames = codec.tensors_to_frames(tensors)
     return [codec.pack(header), *frames]
+
+
+def _tensor_field(cls: type) -> str | None:
+    """The field whose tensors travel as frames, if the op carries any."""
+    return next((f.name for f in dataclasses.fields(cls) if f.metadata.get("frames")), None)
 
 
 def decode_request(frames: list[codec.Buffer], limits: Limits) -> tuple[int, Request]:
@@ -395,14 +433,14 @@ def _decode_request(header: dict, tensor_frames: list[codec.Buffer], limits: Lim
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(f"header: unknown op {op!r} (expected one of {sorted(REQUESTS)})")
-    carries = any(f.metadata.get("frames") for f in dataclasses.fields(cls))
+    carrier = _tensor_field(cls)
     extra: dict[str, Any] = {}
     if "tensors" in header:
-        if not carries:
+        if carrier is None:
             raise ProtocolError(f"{op}: carries no tensors, got a 'tensors' field")
         if not isinstance(header["tensors"], list) or len(header["tensors"]) > limits.max_tensors:
             raise ProtocolError(f"{op}: 'tensors' must be a list of at most {limits.max_tensors} descriptors")
-        extra["tensors"] = codec.frames_to_tensors(header["tensors"], tensor_frames, limits.max_tensor_bytes)
+        extra[carrier] = codec.frames_to_tensors(header["tensors"], tensor_frames, limits.max_tensor_bytes)
     elif tensor_frames:
         raise ProtocolError(f"{op}: {len(tensor_frames)} frames follow a header that describes none")
     return codec.from_plain(cls, header.get("args", {}), op, extra)

@@ -123,3 +123,26 @@ def test_lora_refusals_are_the_in_process_ones(server, reference, text_model, ad
     assert "x" not in [a.name for a in server.list_lora_adapters()]
     with pytest.raises(FileNotFoundError, match="adapter directory not found"):
         server.load_lora_adapter("x", str(tmp_path / "missing"))
+
+
+def test_several_adapters_update_in_one_call_as_in_process(server, reference, text_model) -> None:
+    for engine in (server, reference):
+        engine.load_lora_adapter("one", tensors=_adapter(text_model, seed=7), config=CONFIG)
+        engine.load_lora_adapter("two", tensors=_adapter(text_model, seed=8), config=CONFIG)
+    updates = {"one": list(_adapter(text_model, seed=9).items()), "two": FlatLoraAdapter.pack(_adapter(text_model, seed=10))}
+    assert server.update_lora_adapters(updates) == reference.update_lora_adapters(updates) == {"one": 1, "two": 1}
+    prompts = make_prompts(text_model.vocab_size, [7, 7], seed=42)
+    outs = _generate_both(server, reference, input_ids=prompts, sampling_params=SAMPLED, lora_name=["one", "two"])
+    assert [o.lora_versions for o in outs] == [[(1, 0, 10)], [(1, 0, 10)]]
+    # a bad tensor in one adapter leaves both as they were, refused as in-process
+    bad = {"one": list(_adapter(text_model, seed=11).items()), "two": [("nope.lora_A.weight", torch.zeros(4, 4))]}
+    with pytest.raises(ValueError) as want:
+        reference.update_lora_adapters(bad)
+    with pytest.raises(ValueError) as got:
+        server.update_lora_adapters(bad)
+    assert str(got.value) == str(want.value)
+    assert server.list_lora_adapters() == reference.list_lora_adapters()
+    assert {a.name: a.version for a in server.list_lora_adapters() if a.name in updates} == {"one": 1, "two": 1}
+    for engine in (server, reference):
+        engine.unload_lora_adapter("one")
+        engine.unload_lora_adapter("two")

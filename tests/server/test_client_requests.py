@@ -102,3 +102,15 @@ def test_calls_from_several_threads_share_one_client(server, reference, text_mod
         outs = list(pool.map(one, range(6)))
     for prompt, got in zip(prompts, outs, strict=True):
         same_output(got, reference.generate(input_ids=[prompt], sampling_params=PARAMS)[0], exact_logprobs=False)
+
+
+def test_flush_cache_drops_the_prefix_cache(server, reference) -> None:
+    prompt = list(range(70, 90))
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    server.generate(input_ids=[prompt], sampling_params=params)
+    assert server.generate(input_ids=[prompt], sampling_params=params)[0].num_cached_tokens > 0
+    server.flush_cache()
+    reference.flush_cache()
+    got = server.generate(input_ids=[prompt], sampling_params=params)[0]
+    assert got.num_cached_tokens == 0
+    same_output(got, reference.generate(input_ids=[prompt], sampling_params=params)[0])

@@ -1,8 +1,7 @@
-"""The engine's LoRA API: load, list, update and unload adapters at runtime.
+"""LoraAdapters: the engine's LoRA calls (load, list, update, unload adapters at runtime).
 
-A mixin (as weight_updates.py is) so that engine.py stays a facade. The work is done by
-lora/ (parsing and validation in adapter.py, slots in manager.py / pool.py); this file
-orders it against the running requests and the prefix cache:
+The work is done by lora/ (parsing and validation in adapter.py, slots in manager.py /
+pool.py); this component orders it against the running requests and the prefix cache:
 
 - an adapter's cached KV is keyed by (adapter, version), so an update or an unload drops
   that adapter's entries only, and a request never reuses KV of another adapter, of the
@@ -17,9 +16,9 @@ orders it against the running requests and the prefix cache:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -28,29 +27,45 @@ from rollout.validate import check_pause_mode, check_str, named_tensor_list
 if TYPE_CHECKING:
     from lora.flat import FlatLoraAdapter
     from lora.manager import LoraAdapterInfo, LoraManager
+    from rollout.cache.manager import KVManager
+    from rollout.core.pause import Pause
+    from rollout.model.config import ModelConfig
+    from rollout.scheduler import Scheduler
 
 
-class LoraAdaptersMixin:
-    """Needs `self.lora` (LoraManager | None), `self.kv`, `self.scheduler`, `self.config`,
-    `self.model_config` and `self._pause(mode, affected)`."""
+class PolicyListener(Protocol):
+    """Told when the policy changes: the weights (lora_name None) or one adapter. Speculative
+    decoding's drafter is one (its history or draft model may no longer match the policy)."""
 
-    lora: LoraManager | None
+    def policy_changed(self, lora_name: str | None = None) -> None: ...
 
-    def _lora_manager(self) -> LoraManager:
+
+class LoraAdapters:
+    """`lora`: the engine's LoraManager (None: LoRA is off, and every call says how to turn it
+    on). `listener()`: who is told of an adapter update, looked up per update (the engine's
+    drafter, which benchmarks and tests may swap)."""
+
+    def __init__(self, lora: LoraManager | None, model_config: ModelConfig, kv: KVManager, scheduler: Scheduler,
+                 pause: Pause, listener: Callable[[], PolicyListener | None]) -> None:
+        self.lora = lora
+        self.model_config = model_config
+        self.kv = kv
+        self.scheduler = scheduler
+        self.pause = pause
+        self.listener = listener
+
+    def manager(self) -> LoraManager:
         if self.lora is None:
             raise ValueError("LoRA is off for this engine: EngineConfig(enable_lora=True, max_loras_per_batch=..., "
                              "max_lora_rank=...) turns it on")
         return self.lora
 
-    def load_lora_adapter(self, name: str, path: str | Path | None = None, *,
-                          tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
-                          config: Mapping[str, Any] | None = None) -> LoraAdapterInfo:
-        """Load a PEFT adapter under `name`: from a directory (adapter_config.json +
-        adapter_model.safetensors; a pickled .bin is refused, never opened), or from a PEFT
-        state dict (`get_peft_model_state_dict` names) plus a LoraConfig-style dict."""
+    def load(self, name: str, path: str | Path | None = None, *,
+             tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
+             config: Mapping[str, Any] | None = None) -> LoraAdapterInfo:
         from lora.adapter import LoraAdapterConfig, load_adapter_dir, parse_adapter
 
-        manager = self._lora_manager()
+        manager = self.manager()
         check_str(name, "name")
         if (path is None) == (tensors is None):
             raise ValueError("load_lora_adapter takes a PEFT directory (path) or tensors= with config=, not both")
@@ -60,34 +75,24 @@ class LoraAdaptersMixin:
             config, tensors = load_adapter_dir(path)
         elif config is None:
             raise ValueError("load_lora_adapter(tensors=...) needs config= (a LoraConfig-style dict)")
+        assert tensors is not None  # a directory's, or given (checked above)
         if name in manager.adapters:
             raise ValueError(f"lora_name={name!r}: an adapter of that name is loaded; unload it or use update_lora_adapter")
         parsed = LoraAdapterConfig.from_dict(config, max_rank=manager.max_rank)
-        weights = parse_adapter(parsed, tensors, self.model_config)  # type: ignore[attr-defined]
+        weights = parse_adapter(parsed, tensors, self.model_config)
         manager.add(name, parsed, weights)
         return next(i for i in manager.info() if i.name == name)
 
-    def list_lora_adapters(self) -> list[LoraAdapterInfo]:
-        return self._lora_manager().info()
+    def loaded(self) -> list[LoraAdapterInfo]:
+        return self.manager().info()
 
-    def update_lora_adapter(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter, *,
-                            pause_mode: str = "retract") -> int:
-        """Replace some or all of an adapter's tensors in place, given by PEFT state-dict
-        names or as one flat buffer (`lora.FlatLoraAdapter`: a dozen copies instead of one
-        per tensor); returns its new version. Validated whole before anything is written;
-        the requests running under it are paused by `pause_mode` ("retract": resume under
-        the new version; "wait": finish under the old one first; "abort"); its cached KV is
-        dropped. Other adapters and the base model keep serving, their caches untouched."""
-        return self.update_lora_adapters({name: named_tensors}, pause_mode=pause_mode)[name]
-
-    def update_lora_adapters(self, updates: Mapping[str, Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter], *,
-                             pause_mode: str = "retract") -> dict[str, int]:
-        """`update_lora_adapter` for several adapters in one call: all of them validated
-        (names, shapes, then every value with one host sync in all) before any is written,
-        so a bad tensor in one leaves every adapter as it was. Returns each new version."""
+    def update(self, updates: Mapping[str, Iterable[tuple[str, torch.Tensor]] | FlatLoraAdapter], *,
+               pause_mode: str = "retract") -> dict[str, int]:
+        """Every adapter's update validated (names, shapes, then every value with one host sync
+        in all) before any is written; returns each new version."""
         from lora.flat import FlatLoraAdapter
 
-        manager = self._lora_manager()
+        manager = self.manager()
         check_pause_mode(pause_mode)
         if not isinstance(updates, Mapping) or not updates:
             raise ValueError("update_lora_adapters: expected a non-empty {adapter name: tensors} mapping")
@@ -100,27 +105,27 @@ class LoraAdaptersMixin:
                                  f"(loaded: {sorted(manager.adapters)})")
         planned = [(name, manager.plan_update(name, stream)) for name, stream in streams.items()]
         manager.check_values(planned)
-        self._pause(pause_mode, lambda req: req.lora_name in streams)  # type: ignore[attr-defined]
+        self.pause(pause_mode, lambda req: req.lora_name in streams)
         versions = {name: manager.apply_update(name, update) for name, update in planned}
+        listener = self.listener()
         for name in versions:
-            self.kv.drop_adapter(name)  # type: ignore[attr-defined]
-            if self.drafter is not None:  # type: ignore[attr-defined]
-                self.drafter.policy_changed(name)  # type: ignore[attr-defined]
-        for req in self.scheduler.waiting:  # type: ignore[attr-defined]
+            self.kv.drop_adapter(name)
+            if listener is not None:
+                listener.policy_changed(name)
+        for req in self.scheduler.waiting:
             if req.lora_name in versions:
                 req.lora_version = versions[req.lora_name]
         return versions
 
-    def unload_lora_adapter(self, name: str) -> None:
-        manager = self._lora_manager()
+    def unload(self, name: str) -> None:
+        manager = self.manager()
         if name not in manager.adapters:
             raise ValueError(f"unload_lora_adapter: lora_name={name!r} is not loaded (loaded: {sorted(manager.adapters)})")
-        self._pending.extend(self.loop.drain())  # type: ignore[attr-defined]  # tokens in flight: read them first
-        sched = self.scheduler  # type: ignore[attr-defined]
+        self.pause.drain()  # tokens in flight: read them first
+        sched = self.scheduler
         users = [r.rid for r in (*sched.running, *sched.waiting) if r.lora_name == name]
         if users:
             raise ValueError(f"unload_lora_adapter: adapter {name!r} is used by {len(users)} request(s) "
                              f"(e.g. {users[:3]}); abort them or let them finish first")
-        self.kv.drop_adapter(name)  # type: ignore[attr-defined]
+        self.kv.drop_adapter(name)
         manager.remove(name)
-
