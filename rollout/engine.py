@@ -86,7 +86,8 @@ class Engine:
                                   draft=self.draft.model if self.draft is not None else None,
                                   draft_kv=self.draft.kv_tensors() if self.draft is not None else [])
         self.outbox = Outbox()  # finished outputs not yet handed out: the next step() returns them
-        self.pause = Pause(self.scheduler, self.loop, self.counters, self.outbox, self.step, self.abort)
+        self.pause = Pause(self.scheduler, self.loop, self.counters, self.outbox, self.step, self.abort,
+                           lambda: self.memory.can_step)
         # the drafter is looked up per update: benchmarks and tests swap engine.drafter
         self.adapters = LoraAdapters(self.lora, self.model_config, self.kv, self.scheduler, self.pause,
                                      lambda: self.drafter)
@@ -168,7 +169,7 @@ class Engine:
         step's tokens back while the device works: outputs arrive one step later."""
         t0 = time.perf_counter()
         finished = self.outbox.take()
-        if self.memory.asleep or self.memory.weights_discarded:
+        if not self.memory.can_step:
             return finished  # accepted requests wait for wake() (and, after level 2, a full sync)
         finished.extend(self.loop.step(self.weight_version))
         self.counters.step_seconds += time.perf_counter() - t0

@@ -109,6 +109,25 @@ def test_level2_discards_weights_until_a_full_sync(llama: TinyModel) -> None:
     assert engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0].token_ids == llama.greedy(prompt, 8)
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_wait_update_while_asleep_returns_and_the_requests_run_under_it(llama: TinyModel, level: int) -> None:
+    """pause_mode="wait" with requests accepted before sleep: none can run until wake, so the
+    update does not wait for them (it used to step forever); they resume under the new weights."""
+    engine = Engine(EngineConfig(model=llama.path))
+    prompts = make_prompts(llama.vocab_size, [6, 9], seed=63)
+    ids = [engine.add_request(p, GREEDY)[0] for p in prompts]
+    engine.step()
+    engine.sleep(level=level)
+    engine.wake(["weights"])  # the trainer syncs before the KV cache returns
+    assert engine.update_weights(iter_hf_weights(llama.hf), full=True, pause_mode="wait") == 1
+    engine.wake(["kv_cache"])
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert [outs[i].token_ids for i in ids] == [llama.greedy(p, 8) for p in prompts]
+    assert all(outs[i].weight_versions[-1][0] == 1 for i in ids)
+
+
 def test_bad_sleep_and_wake_calls(llama: TinyModel) -> None:
     engine = Engine(EngineConfig(model=llama.path))
     with pytest.raises(ValueError, match="level=3: must be <= 2"):

@@ -73,6 +73,11 @@ class MemorySaver:
         self._shapes: dict[int, torch.Size] = {}  # id(tensor) -> its shape while released
 
     # ---- sleep ------------------------------------------------------------------------
+    @property
+    def can_step(self) -> bool:
+        """Does a step run anything: weights and KV resident, and the weights not discarded."""
+        return not (self.asleep or self.weights_discarded)
+
     def release_weights(self, level: int) -> int:
         freed = 0
         for name, t, is_param in self._model_tensors():

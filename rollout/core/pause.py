@@ -41,16 +41,20 @@ class Outbox:
 
 class Pause:
     """`step` and `abort` are the engine's own (a "wait" pause steps as the engine does, with
-    its sleep check and step timing; an "abort" one finishes requests as Engine.abort does)."""
+    its sleep check and step timing; an "abort" one finishes requests as Engine.abort does);
+    `can_step` says whether a step runs anything now (not while asleep or after sleep level 2
+    discarded the weights)."""
 
     def __init__(self, scheduler: Scheduler, loop: StepLoop, counters: Counters, outbox: Outbox,
-                 step: Callable[[], list[RolloutOutput]], abort: Callable[[str], RolloutOutput | None]) -> None:
+                 step: Callable[[], list[RolloutOutput]], abort: Callable[[str], RolloutOutput | None],
+                 can_step: Callable[[], bool]) -> None:
         self.scheduler = scheduler
         self.loop = loop
         self.counters = counters
         self.outbox = outbox
         self.step = step
         self.abort = abort
+        self.can_step = can_step
 
     def drain(self) -> None:
         """Read the step in flight back (overlap scheduling): its tokens land before anything
@@ -62,6 +66,11 @@ class Pause:
         self.drain()
         hit = affected or (lambda req: True)
         sched = self.scheduler
+        if pause_mode == "wait" and not self.can_step():
+            # Nothing can run to completion now, and nothing is running: sleep retracted every
+            # request. Those waiting start under what the caller writes, as after "retract"
+            # (stepping here would loop forever: a step runs nothing until wake / a full sync).
+            pause_mode = "retract"
         if pause_mode == "wait":
             while self.loop.inflight is not None or any(hit(r) for r in (*sched.running, *sched.waiting)):
                 self.outbox.put(self.step())  # step() hands the outbox out first: put all of it back
