@@ -34,7 +34,7 @@ from rollout.model.parallel import take_shard
 
 
 # Deferred deltas up to this many rows. H200, Llama-3-8B, rank 16, the 4 projections x 32
-# layers in one graph (python -m lora.kernels.bench --only step), added ms in place ->
+# layers in one graph (python -m benchmarks.kernels.sgmv --only step), added ms in place ->
 # deferred: 1 row +0.73 -> +0.38; 16 rows x 1 adapter +0.81 -> +0.50, x 8 adapters 1.29 ->
 # 1.33; 64 rows 1.12 -> 1.43 (the side stream's work then outlasts the GEMMs it hides under).
 DEFER_MAX_ROWS = 16

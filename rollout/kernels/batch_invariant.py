@@ -38,7 +38,7 @@ ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row c
 # constant of the engine, never chosen per call. 2048 gives the down projection (K = 14336) 7
 # chunks to spread over programs at one row and the 4096-wide ones 2 (enough at 17-64 rows),
 # while a wide call drains its MMA pipeline to add a chunk's sum once per 32 K steps of 64:
-# measured on the H200 against 512 (scripts/bench_batch_invariant.py --k-chunk, one call), the
+# measured on the H200 against 512 (benchmarks/kernels/batch_invariant.py --k-chunk, one call), the
 # matmuls of a decode step at 1 / 64 / 512 rows 4.19 / 4.81 / 12.26 ms against 4.20 / 5.25 /
 # 12.93 and an 8192-row prefill chunk 174.9 against 188.1 ms (cuBLAS 160.6); one chunk for all
 # of K (no split possible) was no faster at 8192 rows (179.0) and 22% slower at 1 and 64.
@@ -65,7 +65,7 @@ class TileConfig:
     tma: bool = False  # X and W tiles by TMA descriptors (Hopper and later; not with split)
 
 GROUP_M = 8  # row tiles per launch group (L2 reuse, batch_invariant_triton.py); no effect on bits
-# Measured on the H200 (BENCHMARKS.md, scripts/bench_batch_invariant.py: bf16, the Llama-3.1-8B
+# Measured on the H200 (BENCHMARKS.md, benchmarks/kernels/batch_invariant.py: bf16, the Llama-3.1-8B
 # projections replayed from CUDA graphs with the weight coming from HBM). The K step may follow the
 # shape too: 64-, 128- and 256-wide K steps give the same bits (an MMA chain of 16-wide steps
 # either way), only K_CHUNK may not change.

@@ -68,7 +68,7 @@ class Tiles:
 
 def tiles_for(n: int, k: int) -> Tiles:
     """The launch shape for x [1, k] @ W [n, k]^T (chosen by `python -m
-    rollout.kernels.bench_skinny` on an H200; BENCHMARKS.md has the sweep): the best of 36
+    benchmarks.kernels.skinny` on an H200; BENCHMARKS.md has the sweep): the best of 36
     for Llama-3.1-8B's o and down, 1% off the best for gate_up, and a step's projections in
     3.63 ms against cuBLAS's 3.93."""
     return Tiles(block_n=4, block_k=1024, num_warps=2)
@@ -112,7 +112,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     if LOW_RANK:  # h's partials in flight beside x's first tile, summed at once: no load left for the epilogue
         l_h = tl.sum(tl.load(l_h_ptrs, mask=l_h_mask, other=0.0), axis=1)
         # the delta now, so only [BLOCK_N] of it lives through the K loop: h and B held there took
-        # 168 registers a thread against 128, 6 programs an SM instead of 8 (scripts/gemv_regs.py)
+        # 168 registers a thread against 128, 6 programs an SM instead of 8 (benchmarks/diagnostics/gemv_regs.py)
         l_delta = tl.sum(l_h * l_b, axis=1)
     # explicit FMAs: the same sums whether or not the launch lets the compiler contract (ROPE's does not)
     acc = w.to(tl.float32) * x0.to(tl.float32)[None, :]

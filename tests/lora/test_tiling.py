@@ -27,7 +27,7 @@ def test_tiling_spreads_decode_and_splits_only_what_needs_it(num_slices: int, hi
 
 @pytest.mark.parametrize("block_n", [16, 256])
 def test_forced_expand_column_blocks_stay_exact(block_n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # lora.kernels.bench --expand-block-n sweeps this: the narrowest and widest blocks, under
+    # benchmarks.kernels.sgmv --expand-block-n sweeps this: the narrowest and widest blocks, under
     # the interpreter, against the reference (slices narrower and wider than the block)
     pytest.importorskip("triton")
     from test_ops import SLICES, check_triton_vs_reference, random_problem
