@@ -3,16 +3,17 @@ span per step (CUDA events) and the host phases, with the engine of benchmarks.r
 
 A variant is attention:matmul:pdl[:kv[:silu[:rope]]], e.g. `auto:skinny:pdl` (the default engine), or
 `flashinfer:cublas:nopdl` (the engine before issue #16's batch-1 work): the attention
-backend, the one-row matmul (the skinny kernel or cuBLAS, rollout.kernels.skinny_matmul),
-programmatic dependent launch on or off (rollout.kernels.pdl.ENV) or `pdl-mm` (for the
-norms, SiLU-mul and the GEMV only: not the rotary and the attention kernels), and where the
-new K/V are stored: `rotary` (default: in the rotary's launch) or `store` (a launch of its
-own, rollout.attention.base.FUSED_KV_STORE), and SiLU-mul as the gate_up GEMV's epilogue:
-`silu` (default) or `nosilu` (its own kernel, rollout.kernels.silu_epilogue), and the rotary with the
-K/V store as the qkv GEMV's epilogue: `rope` (default) or `norope` (the rotary's own launch,
-rollout.kernels.rope_epilogue); benchmarks.common.switches sets them. `auto:skinny:pdl-mm:store:nosilu:norope`
-is session 6's engine, `auto:skinny:pdl:rotary:silu:norope` session 7's. Each variant is its own
-engine, built after the previous one is gone; repeat one to see the drift of a call.
+backend, the one-row matmul (the skinny kernel or cuBLAS, KernelOptions.skinny_matmul),
+programmatic dependent launch on or off (KernelOptions.pdl) or `pdl-mm` (for the norms,
+SiLU-mul and the GEMV only: not the rotary and the attention kernels, pdl_rotary_attention),
+and where the new K/V are stored: `rotary` (default: in the rotary's launch) or `store` (a
+launch of its own, rotary_kv_store), and SiLU-mul as the gate_up GEMV's epilogue: `silu`
+(default) or `nosilu` (its own kernel, silu_epilogue), and the rotary with the K/V store as
+the qkv GEMV's epilogue: `rope` (default) or `norope` (the rotary's own launch,
+rope_epilogue); `variant_options` makes the engine's KernelOptions of one.
+`auto:skinny:pdl-mm:store:nosilu:norope` is session 6's engine, `auto:skinny:pdl:rotary:silu:norope`
+session 7's. Each variant is its own engine, built after the previous one is gone; repeat one
+to see the drift of a call.
 
     python -m benchmarks.batch1 [--variants auto:skinny:pdl auto:skinny:pdl-mm:store auto:skinny:pdl]
     python -m benchmarks.batch1 --device cpu --shape tiny --steps 8   # smoke run (no device span)
@@ -25,6 +26,21 @@ import gc
 import time
 
 import torch
+
+from rollout.kernels.options import KernelOptions
+
+
+def variant_options(variant: str) -> tuple[str, KernelOptions]:
+    """(the attention backend, the engine's KernelOptions) of a variant (the module docstring)."""
+    fields = variant.split(":")
+    attention, matmul, launch, kv, silu, rope = (fields + ["rotary", "silu", "rope"][max(len(fields) - 3, 0):])[:6]
+    if matmul not in ("skinny", "cublas") or launch not in ("pdl", "nopdl", "pdl-mm") or kv not in ("rotary", "store") \
+            or silu not in ("silu", "nosilu") or rope not in ("rope", "norope"):
+        raise SystemExit(f"variant {variant!r}: expected "
+                         "attention:skinny|cublas:pdl|nopdl|pdl-mm[:rotary|store[:silu|nosilu[:rope|norope]]]")
+    return attention, KernelOptions(skinny_matmul=matmul == "skinny", pdl=launch != "nopdl",
+                                    pdl_rotary_attention=launch != "pdl-mm", rotary_kv_store=kv == "rotary",
+                                    silu_epilogue=silu == "silu", rope_epilogue=rope == "rope")
 
 
 def main() -> None:
@@ -40,7 +56,6 @@ def main() -> None:
 
     from rollout import Engine, EngineConfig, SamplingParams
     from benchmarks.common.steady import PhaseTimer, run_to_decode
-    from benchmarks.common.switches import set_batch1_kernels
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     cuda = args.device.startswith("cuda")
@@ -48,18 +63,11 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     rows = []
     for variant in args.variants:
-        fields = variant.split(":")
-        attention, matmul, launch, kv, silu, rope = (fields + ["rotary", "silu", "rope"][max(len(fields) - 3, 0):])[:6]
-        if matmul not in ("skinny", "cublas") or launch not in ("pdl", "nopdl", "pdl-mm") or kv not in ("rotary", "store") \
-                or silu not in ("silu", "nosilu") or rope not in ("rope", "norope"):
-            raise SystemExit(f"variant {variant!r}: expected "
-                             "attention:skinny|cublas:pdl|nopdl|pdl-mm[:rotary|store[:silu|nosilu[:rope|norope]]]")
-        set_batch1_kernels(skinny=matmul == "skinny", pdl=launch != "nopdl", late_pdl=launch != "pdl-mm",
-                           kv_in_rotary=kv == "rotary", silu=silu == "silu", rope=rope == "rope")
+        attention, options = variant_options(variant)
         engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32", device=args.device,
                                      load_format="dummy", page_size=16, gpu_memory_fraction=0.6, attention=attention,
                                      max_running_requests=512, max_prefill_tokens=8192,
-                                     max_total_tokens=None if cuda else 4096))
+                                     max_total_tokens=None if cuda else 4096, kernel_options=options))
         g = torch.Generator().manual_seed(0)
         greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
         engine.generate(input_ids=torch.randint(100, vocab - 100, (1, args.input_len), generator=g).tolist(),

@@ -34,6 +34,7 @@ import torch
 from benchmarks.common.adapters import MODULES, random_adapter
 from benchmarks.common.compiles import CompileRecord, triton_compiles
 from benchmarks.common.steady import split_steps
+from rollout.kernels.options import KernelOptions
 
 ROWS_OFF = ", eager prefill"  # a variant run with ModelRunner.extend_rows_kv = 0 (--prefill-rows off)
 
@@ -67,10 +68,11 @@ def gpu(args) -> None:
     model_dir = write_shape_dir(args.shape, prefix=f"bench-lora-{args.shape}-")
     vocab = cfg["vocab_size"]
 
-    def make(lora: bool) -> Engine:
+    def make(lora: bool, options: KernelOptions) -> Engine:
         return Engine(EngineConfig(model=model_dir, dtype=dtype_name, device=args.device, load_format="dummy", page_size=16,
                                    max_running_requests=512, max_prefill_tokens=8192, gpu_memory_fraction=args.mem_fraction,
-                                   enable_lora=lora, max_loras_per_batch=8, max_lora_rank=args.rank))
+                                   enable_lora=lora, max_loras_per_batch=8, max_lora_rank=args.rank,
+                                   kernel_options=options))
 
     def prompts(count: int, length: int, seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
@@ -79,9 +81,6 @@ def gpu(args) -> None:
     greedy = lambda n: SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)  # noqa: E731
     names = [f"lora{i}" for i in range(8)]
     results: dict[str, float] = {}
-    import lora.pool as lora_pool
-
-    deferred_rows = lora_pool.DEFER_MAX_ROWS
     # --in-place-peer: a third engine whose graphs expand in place (no deferred deltas), so
     # the two LoRA launch modes are compared in one run
     engines = [(False, "no LoRA"), (True, "LoRA on")] + ([(True, "LoRA in-place")] if args.in_place_peer else [])
@@ -95,9 +94,8 @@ def gpu(args) -> None:
     for lora, label in engines:
         if not lora and not {"a", "p", "b"} & set(args.workloads):
             continue  # the sync row alone needs no LoRA-free peer
-        lora_pool.DEFER_MAX_ROWS = 0 if label == "LoRA in-place" else deferred_rows  # read when the pool is built
-        lora_pool.ONE_ROW_EPILOGUE = label != "LoRA apart"
-        engine = make(lora)
+        engine = make(lora, KernelOptions(lora_defer_max_rows=0 if label == "LoRA in-place" else None,
+                                          lora_one_row_epilogue=label != "LoRA apart"))
         if lora:
             for k, name in enumerate(names):
                 engine.load_lora_adapter(name, tensors=random_adapter(cfg, args.rank, k, device, dtype),
@@ -113,7 +111,9 @@ def gpu(args) -> None:
             "b": (prompts(1, 128, ord("b")), [("base", None)] + ([("1 adapter", names[0])] if lora else [])),
         }
         # --prefill-rows on off: each variant with small prefills as decode rows (a graph replay,
-        # the engine's default: ModelRunner.extend_rows_kv) and with the eager extend layout
+        # the engine's default: KernelOptions.extend_rows_kv) and with the eager extend layout, on
+        # the same engine (its runner's extend_rows_kv, set between runs), so b's interleaved runs
+        # compare the two on one engine
         workloads = {w: (work, [(what + ROWS_OFF * (mode == "off"), names_, mode) for mode in args.prefill_rows
                                 for what, names_ in variants]) for w, (work, variants) in workloads.items()}
         if label == "LoRA on" and "s" in args.workloads:  # first: short, and a row a time limit must not lose
@@ -218,7 +218,8 @@ def gpu(args) -> None:
     if device.type == "cuda":
         from lora.kernels.sgmv import pdl_enabled
 
-        print(f"LoRA decode graphs: shrink on a side stream, expand with PDL: {pdl_enabled(device)}")
+        print(f"LoRA decode graphs: shrink on a side stream, expand with PDL: "
+              f"{pdl_enabled(device, KernelOptions().lora_pdl)}")
 
 
 def cpu(args) -> None:
@@ -293,7 +294,7 @@ def main() -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--apart-peer", action="store_true",
                         help="also run a LoRA engine whose one-row steps run the adapter's kernels apart from the "
-                             "GEMV (lora.pool.ONE_ROW_EPILOGUE = False), in the same run")
+                             "GEMV (KernelOptions.lora_one_row_epilogue = False), in the same run")
     parser.add_argument("--split", action="store_true",
                         help="after the timed rows of a, each variant once more step by step: its wall time split "
                              "into decode-graph steps and the rest (prefill, mixed steps)")

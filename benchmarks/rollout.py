@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.common.compiled_peer import PeerTiming, time_decode
 from benchmarks.common.compiles import CompileRecord, triton_compiles
+from rollout.kernels.options import KernelOptions
 from rollout.model.shapes import SHAPES, write_shape_dir
 
 
@@ -168,6 +169,17 @@ def _timed_run(engine, compiled: CompileRecord) -> tuple[list, float, float, flo
     return outs, time.perf_counter() - start, first_token_at or 0.0, decode_ms, share, compiled
 
 
+def kernel_options(*, skinny: str = "on", rotary_store: str = "on", silu: str = "on", rope: str = "on",
+                   rows: str = "on", small: int | None = None) -> KernelOptions:
+    """The engine's KernelOptions for one run's on/off switches (all on, small None: the engine's
+    defaults). `rotary_store` off: the K/V stored in a launch of their own and no PDL for the
+    rotary and the Triton decode kernels (the engine before either); PDL itself stays ROLLOUT_PDL's."""
+    return KernelOptions(skinny_matmul=skinny == "on", rotary_kv_store=rotary_store == "on",
+                         pdl_rotary_attention=rotary_store == "on", silu_epilogue=silu == "on",
+                         rope_epilogue=rope == "on", extend_rows_kv=None if rows == "on" else 0,
+                         small_decode_rows=small)
+
+
 def hf_generate(model_dir: str, cfg: dict, batch: int, input_len: int, output_len: int, device) -> float:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -214,14 +226,14 @@ def main() -> None:
                              "(EngineConfig.deterministic; attention 'auto')")
     # engine switches for A/B runs: one run of the workloads per value given, in that order, repeats allowed
     for flag, what in (
-        ("--skinny", "the skinny matmul at batch 1 (rollout.kernels.skinny_matmul) or cuBLAS"),
+        ("--skinny", "the skinny matmul at batch 1 (KernelOptions.skinny_matmul) or cuBLAS"),
         ("--rotary-store", "K/V stored in the rotary's launch, and PDL for the rotary and the Triton decode kernels "
                            "(on), or neither (off: session 6's engine)"),
-        ("--silu-epilogue", "batch 1: SiLU-mul as the gate_up GEMV's epilogue (rollout.kernels.silu_epilogue) or "
+        ("--silu-epilogue", "batch 1: SiLU-mul as the gate_up GEMV's epilogue (KernelOptions.silu_epilogue) or "
                             "its own kernel"),
         ("--rope-epilogue", "batch 1: the rotary and the K/V store as the qkv GEMV's epilogue "
-                            "(rollout.kernels.rope_epilogue) or the rotary's own launch"),
-        ("--prefill-rows", "small prefills as decode rows replaying a decode graph (ModelRunner.extend_rows_kv: "
+                            "(KernelOptions.rope_epilogue) or the rotary's own launch"),
+        ("--prefill-rows", "small prefills as decode rows replaying a decode graph (KernelOptions.extend_rows_kv: "
                            "the engine's budget) or the eager extend layout"),
         ("--share-prefixes", "decode rows grouped by a shared prompt prefix, attended once a group "
                              "(EngineConfig.shared_prefix_attention, rollout/attention/prefix_kernel.py) or each row whole"),
@@ -234,11 +246,10 @@ def main() -> None:
                              "before each engine is built and its graphs captured")
     parser.add_argument("--small-decode-rows", nargs="+", type=int, default=[None],
                         help="decode graphs of at most this many rows attend with the Triton kernel, larger ones "
-                             "with FlashInfer (rollout.attention.SMALL_DECODE_ROWS; default: the engine's)")
+                             "with FlashInfer (KernelOptions.small_decode_rows; default: the engine's)")
     args = parser.parse_args()
 
     from rollout import Engine, EngineConfig, SamplingParams
-    from benchmarks.common.switches import set_batch1_kernels
 
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
@@ -333,15 +344,15 @@ def main() -> None:
 
     max_tokens = None if device.type == "cuda" else 300_000  # CPU smoke: a bounded pool
 
-    def engine_for(attention: str, overlap: bool, radix: bool = True, deterministic: bool = False,
-                   share: bool = True):
+    def engine_for(attention: str, overlap: bool, options: KernelOptions, radix: bool = True,
+                   deterministic: bool = False, share: bool = True):
         return Engine(EngineConfig(deterministic=deterministic, model=model_dir, shared_prefix_attention=share,
                                    dtype="bfloat16" if device.type == "cuda" else "float32",
                                    device=args.device, load_format="dummy", max_total_tokens=max_tokens,
                                    attention=attention, page_size=16, enable_radix_cache=radix,
                                    max_running_requests=512, max_prefill_tokens=8192, overlap_schedule=overlap,
                                    **({"cuda_graph_max_bs": args.cuda_graph_max_bs} if args.cuda_graph_max_bs else {}),
-                                   gpu_memory_fraction=args.mem_fraction))
+                                   gpu_memory_fraction=args.mem_fraction, kernel_options=options))
 
     # in the order given, repeats included: `--deterministic off on on off` times each mode once
     # early and once late in the call, so a GPU whose clocks drift under load favours neither
@@ -355,24 +366,19 @@ def main() -> None:
             for rope in args.rope_epilogue for skinny in args.skinny for rows in args.prefill_rows
             for small in args.small_decode_rows for share in args.share_prefixes for run in runs]
     runs = [(*run, blas) for blas in args.blas for run in runs]
-    import rollout.attention
-
-    small_default = rollout.attention.SMALL_DECODE_ROWS
     blas_default = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for attention, overlap, deterministic, skinny, rotary_store, silu, rope, rows, small, share, blas in runs:
-        rollout.attention.SMALL_DECODE_ROWS = small_default if small is None else small
         if device.type == "cuda":
             torch.backends.cuda.preferred_blas_library(blas_default if blas == "default" else blas)
-        set_batch1_kernels(skinny=skinny == "on", late_pdl=rotary_store == "on", kv_in_rotary=rotary_store == "on",
-                           silu=silu == "on", rope=rope == "on")
+        options = kernel_options(skinny=skinny, rotary_store=rotary_store, silu=silu, rope=rope, rows=rows,
+                                 small=small)
         try:
             start = time.perf_counter()
-            engine = engine_for(attention, overlap, deterministic=deterministic, share=share == "on")
+            engine = engine_for(attention, overlap, options, deterministic=deterministic, share=share == "on")
             started = time.perf_counter() - start
         except Exception:
             traceback.print_exc()
             continue
-        engine.runner.extend_rows_kv = None if rows == "on" else 0
         label = (f"{engine.runner.backend.name}{', overlap' if overlap else ''}{', cuBLAS' if skinny == 'off' else ''}"
                  f"{', own KV store' if rotary_store == 'off' else ''}{', own SiLU-mul' if silu == 'off' else ''}"
                  f"{', own rotary' if rope == 'off' else ''}{', eager prefill' if rows == 'off' else ''}"
@@ -389,7 +395,8 @@ def main() -> None:
         greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
         engine.generate(input_ids=rand_prompts(8, 64, warm) + rand_prompts(1, 700, warm), sampling_params=greedy)
         engine.generate(input_ids=rand_prompts(1, 128, warm), sampling_params=greedy)
-        run_workloads(engine, label, lambda radix: engine_for(attention, overlap, radix, deterministic, share == "on"))
+        run_workloads(engine, label, lambda radix: engine_for(attention, overlap, options, radix, deterministic,
+                                                              share == "on"))
         del engine
         _release()
 

@@ -25,8 +25,8 @@ length measured on the CPU rows.
         (where a verify step's time goes against a decode step: benchmarks/common/spec_profile.py)
     python -m benchmarks.spec --gpu-governor [--batches 1 64 --new-gpu 129]
         (poor and good drafts under the governor against plain: benchmarks/common/spec_governor.py)
---small-decode-rows R (any GPU mode) sets rollout.attention.SMALL_DECODE_ROWS before the engine
-is built: decode graphs of at most R rows attend with the Triton kernel.
+--small-decode-rows R (any engine it builds) sets KernelOptions.small_decode_rows: decode graphs
+of at most R rows attend with the Triton kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from rollout.kernels.options import KernelOptions
+
+
+def kernel_options(args: argparse.Namespace) -> KernelOptions:
+    """The KernelOptions of every engine a run builds (--small-decode-rows)."""
+    return KernelOptions(small_decode_rows=args.small_decode_rows)
 
 
 @dataclass(frozen=True)
@@ -278,7 +285,7 @@ def gpu(args) -> None:
     path = write_shape_dir(args.shape)
     common = dict(dtype="bfloat16" if args.device.startswith("cuda") else "float32", device=args.device,
                   load_format="dummy", page_size=16, max_running_requests=64, speculative_governor=False,
-                  shared_prefix_attention=args.shared_prefix)
+                  shared_prefix_attention=args.shared_prefix, kernel_options=kernel_options(args))
     engine = Engine(EngineConfig(model=path, speculative="ngram", gpu_memory_fraction=0.5, **common))
     g = torch.Generator().manual_seed(0)
     batches = tuple(args.batches)
@@ -435,7 +442,7 @@ def main() -> None:
                         help="--profile-verify: also the N Python functions of most own time (cProfile)")
     parser.add_argument("--small-decode-rows", type=int, default=None, metavar="R",
                         help="GPU: decode graphs of at most R rows attend with the Triton kernel "
-                             "(rollout.attention.SMALL_DECODE_ROWS; default: as the engine has it)")
+                             "(KernelOptions.small_decode_rows; default: as the engine has it)")
     parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
                         help="--gpu: EngineConfig(shared_prefix_attention=False): a verify's rows each read the "
                              "request's context (as before session 20)")
@@ -443,10 +450,6 @@ def main() -> None:
     parser.add_argument("--accepted", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0],
                         help="mean accepted lengths to turn GPU step costs into speedups (measure them on CPU)")
     args = parser.parse_args()
-    if args.small_decode_rows is not None:
-        import rollout.attention
-
-        rollout.attention.SMALL_DECODE_ROWS = args.small_decode_rows
     if args.host_only:
         host(args)
     elif args.gpu_governor:

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from rollout.kernels.options import KernelOptions
 from rollout.request import Req
 from speculative.base import Drafter
 from speculative.governor import SpeedGovernor
@@ -109,7 +110,8 @@ def run(args) -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     engine = Engine(EngineConfig(model=path, dtype="bfloat16" if cuda else "float32", device=args.device,
                                  load_format="dummy", page_size=16, max_running_requests=max(args.batches),
-                                 speculative="suffix", gpu_memory_fraction=0.5))
+                                 speculative="suffix", gpu_memory_fraction=0.5,
+                                 kernel_options=KernelOptions(small_decode_rows=args.small_decode_rows)))
     perm = successor_model(engine)
     loop = engine.loop
     overlap_plain = loop.overlap_plain

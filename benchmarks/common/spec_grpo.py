@@ -39,6 +39,7 @@ def grpo_epochs(args) -> None:
     H200; on this CPU, compute-bound at 64 rows, the engine's governor (--governor on) would
     mostly turn drafting off, and its acceptance would say little about a GPU."""
     from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.kernels.options import KernelOptions
     from benchmarks.common.spec import batch1_trace_speedup, projected_speedup, tree_trace_speedup
     from benchmarks.common.spec_tree import ahead_summary, batch1_ahead_trace, batch1_tree_trace, plain_futures
     from benchmarks.common.spec_tree import summary as tree_summary
@@ -49,7 +50,8 @@ def grpo_epochs(args) -> None:
     path = str(fetch_default_model())
     engine = Engine(EngineConfig(model=path, speculative="suffix", page_size=16, seed=0,
                                  num_speculative_tokens=args.k, speculative_governor=args.governor == "on",
-                                 speculative_cross_prompt=args.cross_prompt == "on"))
+                                 speculative_cross_prompt=args.cross_prompt == "on",
+                                 kernel_options=KernelOptions(small_decode_rows=args.small_decode_rows)))
     task = Epochs(ArithmeticTask(seed=0, system_prompt="Answer briefly."), args.dataset_size)
     config = GRPOConfig(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=args.new, temperature=1.0,
                         lr=args.lr, seed=0, samples_every=0)

@@ -93,14 +93,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=22)
     parser.add_argument("--cublas", action="store_true",
-                        help="cuBLAS for every matmul: the skinny kernel off (rollout.kernels.skinny_matmul = False)")
+                        help="cuBLAS for every matmul: the skinny kernel off (KernelOptions.skinny_matmul = False)")
     args = parser.parse_args()
-    if args.cublas:
-        from rollout import kernels
-
-        kernels.skinny_matmul = False
 
     from rollout import Engine, EngineConfig
+    from rollout.kernels.options import KernelOptions
     from rollout.model.shapes import SHAPES, write_shape_dir
 
     model_dir = write_shape_dir(args.shape, prefix=f"diag-{args.shape}-")
@@ -111,7 +108,8 @@ def main() -> None:
         engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", load_format="dummy", page_size=16,
                                      max_running_requests=max(batch, 1), gpu_memory_fraction=0.5, attention=attention,
                                      cuda_graph_max_bs=max(batch, 1), overlap_schedule=overlap == "on",
-                                     num_threads=int(threads[0]) if threads else None))
+                                     num_threads=int(threads[0]) if threads else None,
+                                     kernel_options=KernelOptions(skinny_matmul=not args.cublas)))
         fill(engine, batch, args.input_len, vocab, steps=10 * args.steps)
         print(f"\n=== batch {batch}, attention {engine.runner.backend.name}, overlap {overlap}, "
               f"torch threads {torch.get_num_threads()} ===", flush=True)

@@ -37,12 +37,12 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="profile the batch's prefill steps, not decode")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
     parser.add_argument("--cublas", action="store_true",
-                        help="cuBLAS for every matmul: the skinny kernel off (rollout.kernels.skinny_matmul = False)")
+                        help="cuBLAS for every matmul: the skinny kernel off (KernelOptions.skinny_matmul = False)")
     parser.add_argument("--lora", type=int, default=0,
                         help="N > 0: N random rank-16 adapters on all seven modules, the requests spread over them")
     parser.add_argument("--apart", action="store_true",
                         help="with --lora at batch 1: the adapter's kernels apart from the GEMV, not its expand in "
-                             "the GEMV's epilogue (lora.pool.ONE_ROW_EPILOGUE = False)")
+                             "the GEMV's epilogue (KernelOptions.lora_one_row_epilogue = False)")
     parser.add_argument("--n", type=int, default=1,
                         help="samples per prompt (batch / n prompts, forked after their prefill: GRPO's shape, "
                              "rows sharing a prompt's KV)")
@@ -52,16 +52,9 @@ def main() -> None:
                         help="EngineConfig.max_running_requests and cuda_graph_max_bs (default: the batch): the "
                              "benchmarks' engines use 512, which captures graphs up to 512 rows")
     args = parser.parse_args()
-    from rollout import kernels
-
-    if args.cublas:
-        kernels.skinny_matmul = False
-    if args.apart:
-        import lora.pool
-
-        lora.pool.ONE_ROW_EPILOGUE = False  # read when the pool is built
 
     from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.kernels.options import KernelOptions
     from rollout.model.shapes import SHAPES, write_shape_dir
     from benchmarks.common.steady import PhaseTimer, run_to_decode
 
@@ -75,7 +68,9 @@ def main() -> None:
                                  attention=args.attention, overlap_schedule=args.overlap,
                                  deterministic=args.deterministic, max_prefill_tokens=args.max_prefill_tokens,
                                  shared_prefix_attention=not args.no_share,
-                                 enable_lora=args.lora > 0, max_loras_per_batch=max(args.lora, 1), max_lora_rank=16))
+                                 enable_lora=args.lora > 0, max_loras_per_batch=max(args.lora, 1), max_lora_rank=16,
+                                 kernel_options=KernelOptions(skinny_matmul=not args.cublas,
+                                                              lora_one_row_epilogue=not args.apart)))
     vocab = SHAPES[args.shape]["vocab_size"]
     names = load_adapters(engine, SHAPES[args.shape], args.lora)
     if args.prefill:

@@ -100,6 +100,7 @@ def main() -> None:
                              "other bits, so 'row alone' compares against the shipped choice at that chunk)")
     args = parser.parse_args()
     from rollout.kernels import batch_invariant as bi
+    from rollout.kernels.options import KernelOptions
 
     dev = torch.device(args.device)
     cpu = dev.type == "cpu"
@@ -107,7 +108,7 @@ def main() -> None:
         raise SystemExit("--device cpu runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1")
     shapes, copies, timer = (SHAPES_TINY, 1, host_time_ms) if cpu else (SHAPES_8B, COPIES, time_ms)
     candidates = [c for c in CANDIDATES if c[0] in ((16, 64, 128, 4, 3, True), (64, 128, 64, 4, 4, False, K, True))] if cpu else CANDIDATES
-    bi.use_triton = True if cpu else None
+    shipped = KernelOptions(deterministic_triton=True if cpu else None)  # on CPU: the kernel, interpreted
     dtype = torch.float32 if cpu else torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     top = max(args.rows)
@@ -131,16 +132,13 @@ def main() -> None:
         if label_index == 0:
             return F.linear(x, w)
         if label_index == 2:
-            bi.config = before(x.shape[0], w.shape[0])
+            tiles = before(x.shape[0], w.shape[0])
         else:
-            bi.config = bi.TileConfig(*candidates[label_index - 3][0]) if label_index >= 3 else None
+            tiles = bi.TileConfig(*candidates[label_index - 3][0]) if label_index >= 3 else None
             if args.k_chunk:
-                c = bi.config or bi.config_for(x.shape[0], w.shape[0], w.shape[1])
-                bi.config = dataclasses.replace(c, k_chunk=args.k_chunk)
-        try:
-            return bi.linear(x, w)
-        finally:
-            bi.config = None
+                c = tiles or bi.config_for(x.shape[0], w.shape[0], w.shape[1])
+                tiles = dataclasses.replace(c, k_chunk=args.k_chunk)
+        return bi.linear(x, w, options=dataclasses.replace(shipped, batch_invariant_tiles=tiles))
 
     table: dict[tuple[str, int], dict[str, float]] = {}
     invariant = {label: True for label in labels}

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from rollout import kernels
 from rollout.cache.kv_pool import KVPool
+from rollout.kernels.options import KernelOptions
 
 
 def main() -> None:
@@ -32,7 +32,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pool = KVPool(args.layers, 8, 128, args.tokens, 16, dtype, device)
+    # two pools of the same shape: the torch copies (fused False: on the GPU too) and the kernel
+    pools = {fused: KVPool(args.layers, 8, 128, args.tokens, 16, dtype, device, KernelOptions(fused=None if fused else False))
+             for fused in (False, True)}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"KVPool.copy_slots, {args.layers} layers x 8 x 128 {dtype}, {name}: ms a call (host / to the copies' end)")
@@ -42,7 +44,7 @@ def main() -> None:
         dst = src - 1
         cells = []
         for fused in (False, True):
-            kernels.enabled = None if fused else False
+            pool = pools[fused]
             host, wall = [], []
             for _ in range(args.repeats + 3):
                 sync()
@@ -54,7 +56,6 @@ def main() -> None:
                 host.append(t1 - t0)
                 wall.append(t2 - t0)
             cells.append(f"{1e3 * statistics.median(host[3:]):.3f} / {1e3 * statistics.median(wall[3:]):.3f}")
-        kernels.enabled = None
         print(f"{n:>5} | {cells[0]:>16} | {cells[1]:>16}")
 
 

@@ -11,7 +11,6 @@ import argparse
 
 import torch
 
-from rollout import kernels
 from benchmarks.common.kernel_device import kernel_ms
 from rollout.request import Req, SamplingParams
 from rollout.sampling import SamplingBatch, race, sample
@@ -35,11 +34,10 @@ def main() -> None:
         processed = torch.log_softmax(logits, dim=-1)
         times, tokens = {}, {}
         for fused in (False, True):
-            kernels.enabled = None if fused else False  # False: the torch ops on the GPU
-            tokens[fused] = sample(logits.clone(), sb).token_ids
-            times["sample", fused] = kernel_ms(lambda: sample(logits, sb), device)
-            times["race", fused] = kernel_ms(lambda: race(processed, sb.seeds, sb.positions), device)
-        kernels.enabled = None
+            on = None if fused else False  # False: the torch ops on the GPU
+            tokens[fused] = sample(logits.clone(), sb, fused=on).token_ids
+            times["sample", fused] = kernel_ms(lambda: sample(logits, sb, fused=on), device)
+            times["race", fused] = kernel_ms(lambda: race(processed, sb.seeds, sb.positions, on), device)
         print(f"| {rows} | {times['sample', False]:.3f} | {times['sample', True]:.3f} | {times['race', False]:.3f} | "
               f"{times['race', True]:.3f} | {bool(torch.equal(tokens[False], tokens[True]))} |")
 

@@ -35,9 +35,12 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
+
+from rollout.kernels.options import KernelOptions
 
 PEAK_GBPS = 4800.0  # H200 HBM3e
 # Base decode step of Llama-3-8B on an H200 without LoRA (ms): the budget the LoRA ops eat into.
@@ -67,6 +70,7 @@ class Projection:
     def __init__(self, name: str, hidden: int, widths: tuple[int, ...], args: argparse.Namespace,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.name, self.hidden, self.widths = name, hidden, widths
+        self.options: KernelOptions = args.options  # the kernels (forced split-K / column block)
         self.num_slices, self.n_out, self.rank = len(widths), sum(widths), args.rank
         self.offsets = tuple(int(v) for v in np.cumsum((0,) + widths))
         kw = dict(device=device, dtype=dtype)
@@ -79,12 +83,13 @@ class Projection:
         from lora import ops
 
         return ops.sgmv_shrink(x, self.a[layer], *seg, self.slot_ranks, num_slices=self.num_slices,
-                               max_rank=self.rank)
+                               max_rank=self.rank, options=self.options)
 
     def expand(self, layer: int, h: torch.Tensor, out: torch.Tensor, seg: tuple[torch.Tensor, ...]) -> None:
         from lora import ops
 
-        ops.sgmv_expand(h, self.b[layer], out, *seg, self.slot_ranks, slice_offsets=self.offsets, max_rank=self.rank)
+        ops.sgmv_expand(h, self.b[layer], out, *seg, self.slot_ranks, slice_offsets=self.offsets, max_rank=self.rank,
+                        options=self.options)
 
 
 def _plan(lens: list[int], num_adapters: int, seed: int, device: torch.device, num_segments: int | None = None):
@@ -103,9 +108,9 @@ def _tiling(proj: Projection, num_rows: int, num_segments: int, device: torch.de
 
     sms = sgmv._num_sms(device)
     s = tiling.shrink_tiling(num_rows, num_segments, proj.hidden, proj.num_slices, proj.rank, 2, num_sms=sms,
-                             split_k=sgmv._FORCE_SPLIT_K)
+                             split_k=proj.options.lora_split_k)
     e = tiling.expand_tiling(num_rows, num_segments, proj.widths, proj.rank, s.split_k, num_sms=sms,
-                             block_n=sgmv._FORCE_EXPAND_BLOCK_N)
+                             block_n=proj.options.lora_expand_block_n)
     return f"s{s.block_m}x{s.block_n}x{s.block_k}/{s.split_k} e{e.block_m}x{e.block_n}"
 
 
@@ -152,19 +157,34 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
 
     cfg = ModelConfig.from_dict(dict(SHAPES[args.shape], num_hidden_layers=args.layers))
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    pool = LoraPool(cfg, args.slots, args.rank, targets, dtype, device)
-    for t in (*pool.a_stack.values(), *pool.b_stack.values()):
+    adapters = LoraPool(cfg, args.slots, args.rank, targets, dtype, device)  # the adapters every mode runs
+    for t in (*adapters.a_stack.values(), *adapters.b_stack.values()):
         t.normal_(0, 0.01)
-    pool.slot_ranks.fill_(args.rank)
+    adapters.slot_ranks.fill_(args.rank)
+
+    def pool_for(mode: str, batch: int) -> LoraPool:
+        """The adapters in a pool built with the mode's options, each projection's hook on it."""
+        pool = LoraPool(cfg, args.slots, args.rank, targets, dtype, device, options=replace(
+            args.options, lora_pdl=mode in ("side+pdl", "deferred"),
+            lora_concurrent_max_rows=batch,  # each mode as named, whatever the engine's policy
+            lora_defer_max_rows=batch if mode == "deferred" else 0))
+        for name in adapters.a_stack:
+            pool.a_stack[name].copy_(adapters.a_stack[name])
+            pool.b_stack[name].copy_(adapters.b_stack[name])
+        pool.slot_ranks.copy_(adapters.slot_ranks)
+        for i, (linear, _) in enumerate(linears):
+            linear.lora = pool.hook(i // len(sizes), names[i % len(sizes)])
+        return pool
+
     sizes = {"qkv_proj": (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
              "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size),
              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
-    linears = []
+    linears, names = [], list(sizes)
     for layer in range(cfg.num_layers):
         for name, (fan_in, fan_out) in sizes.items():
             linear = Linear(fan_in, fan_out, bias=False)
             linear.weight.data = torch.randn(fan_out, fan_in, device=device, dtype=dtype) / fan_in**0.5
-            linear.lora = pool.hook(layer, name)
+            linear.lora = adapters.hook(layer, name)
             linears.append((linear, fan_in))
 
     print(f"\nDecode step: {len(sizes)} projections x {cfg.num_layers} layers of {args.shape} in one graph "
@@ -186,16 +206,15 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
                     linear.forward_deferred(xs[fan_in])
 
             times = {}
-            pool.concurrent_max_rows = batch  # each mode as named, whatever the engine's policy
             with torch.inference_mode():
+                pool = pool_for("in order", batch)
                 pool.plan(None, active=False)
                 times["base"] = timer.ms(step)
                 for mode in MODES:
-                    sgmv._PDL_ENV = mode in ("side+pdl", "deferred")
+                    pool = pool_for(mode, batch)
                     pool.plan(inputs, active=True, concurrent=mode != "in order")
-                    pool.defer_max_rows = batch if mode == "deferred" else 0
                     times[mode] = timer.ms(step_deferred if mode == "deferred" else step)
-            sgmv._PDL_ENV = True
+                    del pool
             real = BASE_STEP_MS.get(batch)
             added = "".join(f"{times[m] - times['base']:>9.2f}" + (f"{100 * (times[m] - times['base']) / real:>7.1f}%"
                                                                     if real else f"{'':>8}") for m in MODES)
@@ -221,9 +240,9 @@ def main() -> None:
         raise SystemExit("needs CUDA (or --device cpu for a smoke run)")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-        from lora import ops
-
-        ops.enabled = True  # the kernels, not the torch reference, under the interpreter
+    # on CPU the kernels, not the torch reference, under the interpreter
+    args.options = KernelOptions(lora_triton=True if device.type == "cpu" else KernelOptions().lora_triton,
+                                 lora_split_k=args.split_k, lora_expand_block_n=args.expand_block_n)
     from rollout.model.shapes import SHAPES
 
     args.shape = args.shape or ("llama8b" if device.type == "cuda" else "tiny")
@@ -232,10 +251,6 @@ def main() -> None:
     args.slots = args.slots or (8 if device.type == "cuda" else 2)
     args.batches = args.batches or ([1, 16, 64, 256] if device.type == "cuda" else [1, 4])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # the interpreter has no bf16 dot
-    from lora.kernels import sgmv
-
-    sgmv._FORCE_SPLIT_K = args.split_k
-    sgmv._FORCE_EXPAND_BLOCK_N = args.expand_block_n
     torch.manual_seed(0)
     timer = Timer(device)
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
