@@ -29,4 +29,4 @@ test: install
 	$(PY) -m pytest -q -n 2
 
 bench-cpu: install
-	$(PY) -m scripts.bench_cpu
+	$(PY) -m benchmarks.cpu

@@ -10,7 +10,8 @@ a decode step's critical path carries one LoRA launch per projection, not two. O
 graphs the halves run in order on the current stream: forking costs host time per call,
 and a long prefill's shrink is small beside its GEMM anyway. Graphs of more than 192 rows
 run in order too: their GEMMs fill the GPU, and the branch only delays them (+0.4 to +1.2
-ms a step at 512 rows on Llama-3-8B, `lora.pool.CONCURRENT_MAX_ROWS`).
+ms a step at 512 rows on Llama-3-8B, `lora.pool.CONCURRENT_MAX_ROWS`). The pool's KernelOptions
+say which kernels run (lora.ops takes them).
 
 Streams and memory: h is allocated on the side stream and read on the main one. Each
 begin() first makes the side stream wait for the main stream, so a later shrink that
@@ -90,12 +91,15 @@ class LoraHook:
             return launch(x, args)
 
     def _shrink(self, x: torch.Tensor, args: tuple) -> torch.Tensor:
-        return sgmv_shrink(x, self.pool.a[self.key], *args, num_slices=self.num_slices, max_rank=self.pool.max_rank)
+        pool = self.pool
+        return sgmv_shrink(x, pool.a[self.key], *args, num_slices=self.num_slices, max_rank=pool.max_rank,
+                           options=pool.options)
 
     def _deferred(self, x: torch.Tensor, args: tuple) -> Deferred:
+        pool = self.pool
         delta = torch.zeros((x.shape[0], self.slice_offsets[-1]), dtype=torch.float32, device=x.device)
-        sgmv_expand(self._shrink(x, args), self.pool.b[self.key], delta, *args, slice_offsets=self.slice_offsets,
-                    max_rank=self.pool.max_rank)
+        sgmv_expand(self._shrink(x, args), pool.b[self.key], delta, *args, slice_offsets=self.slice_offsets,
+                    max_rank=pool.max_rank, options=pool.options)
         return Deferred(delta)
 
     def one_row(self, x: torch.Tensor) -> OneRow | None:
@@ -105,10 +109,11 @@ class LoraHook:
         pool, batch = self.pool, self.pool.batch
         if batch is None:
             return OneRow(None)
-        if x.shape[0] != 1 or not pool.one_row_epilogue or not use_triton(x):
+        if x.shape[0] != 1 or not pool.one_row_epilogue or not use_triton(x, pool.options.lora_triton):
             return None
         slot = batch.seg_slots[:1]  # one row: its slot is the first segment's (-1: a base request)
-        h = shrink_row(x, pool.a[self.key], slot, pool.slot_ranks, num_slices=self.num_slices, max_rank=pool.max_rank)
+        h = shrink_row(x, pool.a[self.key], slot, pool.slot_ranks, num_slices=self.num_slices, max_rank=pool.max_rank,
+                       options=pool.options)
         return OneRow(LowRank(h, pool.b[self.key], slot, pool.slot_ranks, self.slice_offsets, pool.max_rank))
 
     @property
@@ -129,7 +134,7 @@ class LoraHook:
         if isinstance(pending, Deferred):
             return pending.delta
         sgmv_expand(pending, pool.b[self.key], out, batch.row_ids, batch.seg_indptr, batch.seg_slots, pool.slot_ranks,
-                    slice_offsets=self.slice_offsets, max_rank=pool.max_rank)
+                    slice_offsets=self.slice_offsets, max_rank=pool.max_rank, options=pool.options)
         return None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:

@@ -32,46 +32,41 @@ between replays. This module knows nothing about where adapters live or how segm
 formed.
 
 Dispatch: Triton for CUDA tensors (when triton is installed), the torch reference
-otherwise. ``enabled`` (or the environment variable ROLLOUT_LORA_TRITON=1/0, read at
-import) forces one path: True sends CPU tensors through the kernels (tests; needs
-TRITON_INTERPRET=1 set before triton's first import), False keeps CUDA tensors on the
-reference (which syncs: not for graph capture).
+otherwise. The caller's KernelOptions (``options``; the LoRA pool's, built from the engine's)
+may force one path (``lora_triton``, default from ROLLOUT_LORA_TRITON=1/0): True sends CPU
+tensors through the kernels (tests; needs TRITON_INTERPRET=1 set before triton's first
+import), False keeps CUDA tensors on the reference (which syncs: not for graph capture). They
+also carry the kernels' forced split-K and column block (benchmark sweeps, tests) and PDL.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from lora.kernels import MAX_SLICES
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 
-__all__ = ["enabled", "expand_reference", "sgmv_expand", "sgmv_shrink", "shrink_reference", "shrink_row",
+__all__ = ["expand_reference", "sgmv_expand", "sgmv_shrink", "shrink_reference", "shrink_row",
            "shrink_row_reference", "use_triton"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name, "").strip().lower()
-    return {"1": True, "true": True, "0": False, "false": False}.get(value)
-
-
-# None: automatic (Triton exactly for CUDA tensors). See the module docstring.
-enabled: bool | None = _env_flag("ROLLOUT_LORA_TRITON")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None  # found, not imported
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    return (x.is_cuda and _HAS_TRITON) if enabled is None else enabled
+def use_triton(x: torch.Tensor, forced: bool | None = None) -> bool:
+    """Do x's LoRA ops run the Triton kernels? `forced`: KernelOptions.lora_triton (None:
+    exactly for CUDA tensors). See the module docstring."""
+    return (x.is_cuda and _HAS_TRITON) if forced is None else forced
 
 
 # ------------------------------------------------------------------------------ dispatch
 
 
 def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tensor, seg_indptr: torch.Tensor,
-                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, num_slices: int, max_rank: int) -> torch.Tensor:
+                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, num_slices: int, max_rank: int,
+                options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """h fp32 [SPLIT_K, R, num_slices * max_rank]: summed over its first dim,
     ``h[:, i, j*max_rank + r] = x[row_ids[i]] . A_slot[j*max_rank + r]`` for positions i of
     segments and r < the slot's rank; other entries are unspecified (see the module docstring).
@@ -81,18 +76,18 @@ def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tensor, s
     x's device.
     """
     _check_shrink(x, weights, row_ids, seg_indptr, seg_slots, slot_ranks, num_slices, max_rank)
-    if use_triton(x):
+    if use_triton(x, options.lora_triton):
         from lora.kernels import sgmv
 
         return sgmv.sgmv_shrink(x, weights, row_ids, seg_indptr, seg_slots, slot_ranks, num_slices=num_slices,
-                                max_rank=max_rank)
+                                max_rank=max_rank, split_k=options.lora_split_k)
     return shrink_reference(x, weights, row_ids, seg_indptr, seg_slots, slot_ranks, num_slices=num_slices,
                             max_rank=max_rank)
 
 
 def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_ids: torch.Tensor,
                 seg_indptr: torch.Tensor, seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
-                slice_offsets: tuple[int, ...], max_rank: int) -> None:
+                slice_offsets: tuple[int, ...], max_rank: int, options: KernelOptions = DEFAULT_OPTIONS) -> None:
     """In place: ``out[row_ids[i], n] += sum_s sum_{r < rank} h[s, i, j*max_rank + r] * B_slot[n, r]``
     for positions i of segments, n in slice j. Other rows of out are neither read nor written.
 
@@ -101,18 +96,18 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
     from 0 to N_out (slices may differ in width); segment tensors as in ``sgmv_shrink``.
     """
     _check_expand(h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks, slice_offsets, max_rank)
-    if use_triton(h):
+    if use_triton(h, options.lora_triton):
         from lora.kernels import sgmv
 
         sgmv.sgmv_expand(h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks, slice_offsets=slice_offsets,
-                         max_rank=max_rank)
+                         max_rank=max_rank, block_n=options.lora_expand_block_n, pdl=options.lora_pdl)
     else:
         expand_reference(h, weights, out, row_ids, seg_indptr, seg_slots, slot_ranks, slice_offsets=slice_offsets,
                          max_rank=max_rank)
 
 
 def shrink_row(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_ranks: torch.Tensor, *,
-               num_slices: int, max_rank: int) -> torch.Tensor:
+               num_slices: int, max_rank: int, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """The shrink of a batch-1 step's one row under the slot on the device: h fp32 [SPLIT,
     num_slices * max_rank], summed over its first dim ``h[:, j*max_rank + r] = x[0] .
     A_slot[j*max_rank + r]`` for r < the slot's rank; other entries (and all of h when slot
@@ -122,10 +117,11 @@ def shrink_row(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_
     slot_ranks: int32 [S]; all on x's device. Capturable: nothing is read on the host.
     """
     _check_shrink_row(x, weights, slot, slot_ranks, num_slices, max_rank)
-    if use_triton(x):
+    if use_triton(x, options.lora_triton):
         from lora.kernels import row
 
-        return row.shrink_row(x, weights, slot, slot_ranks, num_slices=num_slices, max_rank=max_rank)
+        return row.shrink_row(x, weights, slot, slot_ranks, num_slices=num_slices, max_rank=max_rank,
+                              pdl=options.pdl)
     return shrink_row_reference(x, weights, slot, slot_ranks, num_slices=num_slices, max_rank=max_rank)
 
 

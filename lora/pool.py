@@ -28,13 +28,15 @@ from lora.hook import LoraHook
 from lora.image import HostImage
 from lora.layout import HF_TO_ENGINE, ROW_PARALLEL, ModuleShape, engine_modules_for, module_shapes
 from rollout.distributed.tp import SINGLE, TensorParallel
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.config import ModelConfig
 from rollout.model.forward_batch import LoraInputs
 from rollout.model.parallel import take_shard
 
 
+# Defaults of the pool's KernelOptions fields (lora_defer_max_rows, lora_concurrent_max_rows).
 # Deferred deltas up to this many rows. H200, Llama-3-8B, rank 16, the 4 projections x 32
-# layers in one graph (python -m lora.kernels.bench --only step), added ms in place ->
+# layers in one graph (python -m benchmarks.kernels.sgmv --only step), added ms in place ->
 # deferred: 1 row +0.73 -> +0.38; 16 rows x 1 adapter +0.81 -> +0.50, x 8 adapters 1.29 ->
 # 1.33; 64 rows 1.12 -> 1.43 (the side stream's work then outlasts the GEMMs it hides under).
 DEFER_MAX_ROWS = 16
@@ -43,14 +45,12 @@ DEFER_MAX_ROWS = 16
 # -0.02; 256 rows -0.09 / +0.05 and +0.14 / +0.11; 320 rows +0.47 / +0.38; 512 rows +1.23 /
 # +1.18 and +0.56 / +0.40. Past ~200 rows the GEMMs fill the GPU and the branch only delays them.
 CONCURRENT_MAX_ROWS = 192
-# One-row steps put the adapter's term in the base GEMV's epilogue (hook.py); read at pool
-# construction, so benchmarks set it before building an engine.
-ONE_ROW_EPILOGUE = True
 
 
 class LoraPool:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, targets: tuple[str, ...],
-                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> None:
+                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> None:
         if device.type == "cuda" and device.index is None:  # "cuda" -> "cuda:N", so device checks compare equal
             device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.max_rank, self.device, self.tp = num_slots, max_rank, device, tp
@@ -77,14 +77,18 @@ class LoraPool:
         self.bind_views()
         self.batch: LoraInputs | None = None  # the next forward's segments; None: no adapter runs
         self.concurrent = False  # the next forward's shrinks run beside the base matmuls (hook.py)
-        # Deferred deltas (hook.py): batches of up to this many rows leave the expand's delta
-        # to the consumer kernel. Set at construction; 0 turns deferral off.
-        self.defer_max_rows = DEFER_MAX_ROWS
-        self.concurrent_max_rows = CONCURRENT_MAX_ROWS  # side-stream shrinks up to this many rows (plan)
-        self.defer_eager = False  # tests: defer outside graphs too (one stream), to check the path on CPU
-        # A one-row step's adapter term goes into the base GEMV's epilogue (hook.py `one_row`);
-        # False: the two halves apart, as at more rows (A/B: ONE_ROW_EPILOGUE).
-        self.one_row_epilogue = ONE_ROW_EPILOGUE
+        # The kernels' options (the hooks pass them to lora.ops) and the pool's policy from them:
+        self.options = options
+        # deferred deltas (hook.py): batches of up to this many rows leave the expand's delta
+        # to the consumer kernel; 0 turns deferral off
+        self.defer_max_rows = DEFER_MAX_ROWS if options.lora_defer_max_rows is None else options.lora_defer_max_rows
+        # side-stream shrinks up to this many rows (plan)
+        self.concurrent_max_rows = CONCURRENT_MAX_ROWS if options.lora_concurrent_max_rows is None \
+            else options.lora_concurrent_max_rows
+        self.defer_eager = options.lora_defer_eager  # defer outside graphs too (one stream): the path on CPU
+        # a one-row step's adapter term goes into the base GEMV's epilogue (hook.py `one_row`);
+        # False: the two halves apart, as at more rows
+        self.one_row_epilogue = options.lora_one_row_epilogue
         self._side_stream: torch.cuda.Stream | None = None
 
     def bind_views(self) -> None:

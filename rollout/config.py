@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from os import PathLike
 
+from rollout.kernels.options import KernelOptions
 from rollout.validate import check_bool, check_float, check_int, check_str
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -109,6 +110,10 @@ class EngineConfig:
     # split over this many ranks (one GPU each), all running the same scheduler (SPMD). Under
     # torchrun every rank builds the Engine; from one process, TPEngine spawns the workers.
     tensor_parallel_size: int = 1
+    # Internal: which kernels the engine launches (rollout/kernels/options.py), for benchmarks
+    # that compare two choices in one process and tests that run the GPU kernels on CPU. None:
+    # the engine's defaults, KernelOptions() (made here, once: its environment defaults).
+    kernel_options: KernelOptions | None = None
 
     def __post_init__(self) -> None:
         f = "EngineConfig."
@@ -195,6 +200,14 @@ class EngineConfig:
             if self.deterministic and self.tensor_parallel_size > 2:
                 raise ValueError(f"{f}tensor_parallel_size={self.tensor_parallel_size} with deterministic=True: the "
                                  "all-reduce of more than two ranks is not batch-invariant; use at most 2")
+        options = self.kernel_options
+        if isinstance(options, dict):  # its JSON form (TPEngine's workers get the config as JSON)
+            options = KernelOptions.from_dict(options)
+        if options is None:
+            options = KernelOptions()
+        if not isinstance(options, KernelOptions):
+            raise ValueError(f"{f}kernel_options={options!r}: expected a rollout.kernels.options.KernelOptions or None")
+        object.__setattr__(self, "kernel_options", options)
 
     @property
     def overlap(self) -> bool:

@@ -77,13 +77,13 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return (h.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def race(processed: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def race(processed: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """[B] the exponential race's winners: argmax p / E == argmax (log p - log E), E = -log U
     ~ Exp(1); filtered tokens (-inf) never win. On CUDA one Triton launch (kernels/race.py),
     the same tokens bit for bit: 0.26 ms at 512 rows of a 128k vocabulary on an H100, against
     6.6 ms for the torch ops below (14 ms when they ran in int64 lanes), which run elsewhere
-    and are its reference."""
-    if kernels.use_fused(processed):
+    and are its reference. `fused`: KernelOptions.fused (None: the kernel on CUDA tensors)."""
+    if kernels.use_fused(processed, fused):
         from rollout.kernels.race import race_argmax
 
         return race_argmax(processed.contiguous(), seeds, positions)
@@ -179,12 +179,13 @@ def filtered_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return scaled
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch, mask: TokenMask | None = None) -> SampleOutput:
+def sample(logits: torch.Tensor, sb: SamplingBatch, mask: TokenMask | None = None,
+           fused: bool | None = None) -> SampleOutput:
     """logits: [B, V] float32 -> tokens and log-probs, with no host sync.
 
     `mask` (structured output): its rows draw only the tokens their grammar allows, and their
     processed log-probs are under that masked distribution; raw log-probs stay those of the
-    unmodified logits. `logits` is masked in place."""
+    unmodified logits. `logits` is masked in place. `fused`: the race's kernel (`race`)."""
     raw = torch.log_softmax(logits, dim=-1)
     if mask is not None:
         apply_mask_(logits, mask)
@@ -193,7 +194,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, mask: TokenMask | None = Non
         processed = raw
     else:
         processed = torch.log_softmax(filtered_logits(logits, sb), dim=-1)
-        tokens = torch.where(sb.greedy, logits.argmax(dim=-1), race(processed, sb.seeds, sb.positions))
+        tokens = torch.where(sb.greedy, logits.argmax(dim=-1), race(processed, sb.seeds, sb.positions, fused))
     idx = tokens[:, None]
     raw_lp = raw.gather(-1, idx)[:, 0]
     processed_lp = raw_lp if sb.all_greedy else torch.where(sb.greedy, raw_lp, processed.gather(-1, idx)[:, 0])

@@ -114,12 +114,13 @@ def named_tensor_list(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[st
     return [tuple(item) for item in items]  # type: ignore[misc]
 
 
-def first_non_finite(tensors: Sequence[Any]) -> int | None:
+def first_non_finite(tensors: Sequence[Any], fused: bool | None = None) -> int | None:
     """Index of the first tensor holding a NaN or an Inf, or None. One multi-tensor check
     per (device, dtype) group and one host sync per device for the whole list, not one per
     tensor: a weight update has hundreds of tensors (448 in an 8B LoRA adapter). CUDA
     groups go through one Triton launch that reads at bandwidth (rollout/kernels/finite.py);
-    the rest through torch's multi-tensor inf-norm, which is also that kernel's reference."""
+    the rest through torch's multi-tensor inf-norm, which is also that kernel's reference.
+    `fused`: KernelOptions.fused (None: the kernel for CUDA groups)."""
     import torch
 
     from rollout import kernels
@@ -131,7 +132,7 @@ def first_non_finite(tensors: Sequence[Any]) -> int | None:
     order: dict[Any, list[int]] = {}  # device -> the tensor index of each flag
     for (device, _), indices in groups.items():
         members = [tensors[i] for i in indices]
-        if kernels.use_fused(members[0]):
+        if kernels.use_fused(members[0], fused):
             flag = kernels.finite.non_finite_flags(members) != 0
         else:
             # the inf-norm is max |x|: inf for an Inf, NaN for a NaN, never an overflow

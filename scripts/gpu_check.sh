@@ -24,28 +24,28 @@ if [[ " $STAGES " == *" profile "* ]]; then
   for bs_att in ${PROFILE:-256:flashinfer:off 1:flashinfer:off}; do
     IFS=: read -r bs att ov <<<"$bs_att"
     flag=""; [ "$ov" = on ] && flag="--overlap"
-    timeout "${PROFILE_S:-120}" python3 -m scripts.profile_step --shape llama8b --batch "$bs" --attention "$att" $flag --steps 20 --top 18 2>&1 \
+    timeout "${PROFILE_S:-120}" python3 -m benchmarks.diagnostics.profile_step --shape llama8b --batch "$bs" --attention "$att" $flag --steps 20 --top 18 2>&1 \
       | grep -v -E "Loading|USDT|profiler_st" | tee -a "$OUT/profile.log" | grep -E "ms per decode|^  [a-z]" 
   done
 fi
 if [[ " $STAGES " == *" rollout "* ]]; then
-  timeout "${RB_S:-400}" python3 -m scripts.bench_rollout --shape llama8b --workloads ${WORKLOADS:-b a} \
+  timeout "${RB_S:-400}" python3 -m benchmarks.rollout --shape llama8b --workloads ${WORKLOADS:-b a} \
     --attention ${ATTENTION:-flashinfer triton} --overlap ${OVERLAP:-on off} ${HF:-} --json "$OUT/rollout.json" 2>&1 \
     | grep -v Loading | tee "$OUT/rollout.log" | tail -14
 fi
 if [[ " $STAGES " == *" weightsync "* ]]; then
-  timeout "${WS_S:-120}" python3 -m scripts.bench_weightsync --repeats 3 2>&1 | grep -v Loading | tee "$OUT/weightsync.log" | tail -8
+  timeout "${WS_S:-120}" python3 -m benchmarks.weightsync --repeats 3 2>&1 | grep -v Loading | tee "$OUT/weightsync.log" | tail -8
 fi
 if [[ " $STAGES " == *" tp "* ]]; then  # needs nvidia-h200-x2; the three limits fit one 600 s call
   timeout "${TP_TEST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider tests/distributed/test_tp_gpu.py 2>&1 | tail -8 | tee "$OUT/tp_tests.log"
-  timeout "${TP_S:-330}" python3 -m scripts.bench_tp --model llama8b --tp 2 --device cuda --dtype bfloat16 --output "$OUT/tp.json" 2>&1 \
+  timeout "${TP_S:-330}" python3 -m benchmarks.tp --model llama8b --tp 2 --device cuda --dtype bfloat16 --output "$OUT/tp.json" 2>&1 \
     | grep -v Loading | tee "$OUT/tp.log" | tail -12
-  timeout "${BB_S:-140}" torchrun --nproc-per-node 2 scripts/launch_disagg.py --bench-broadcast --model llama8b --device cuda \
+  timeout "${BB_S:-140}" torchrun --nproc-per-node 2 -m benchmarks.broadcast --model llama8b --device cuda \
     --dtype bfloat16 2>&1 | grep -v Loading | tee "$OUT/broadcast.log" | tail -10
 fi
 if [[ " $STAGES " == *" lora "* ]]; then
-  timeout "${LORA_S:-200}" python3 -m lora.kernels.bench 2>&1 | tee "$OUT/sgmv.log" | tail -30
-  timeout "${LORA_BENCH_S:-400}" python3 -m scripts.bench_lora --workloads ${LORA_WORKLOADS:-a b s} 2>&1 | grep -v Loading \
+  timeout "${LORA_S:-200}" python3 -m benchmarks.kernels.sgmv 2>&1 | tee "$OUT/sgmv.log" | tail -30
+  timeout "${LORA_BENCH_S:-400}" python3 -m benchmarks.lora --workloads ${LORA_WORKLOADS:-a b s} 2>&1 | grep -v Loading \
     | tee "$OUT/lora.log" | tail -16
 fi
 if [[ " $STAGES " == *" det "* ]]; then
@@ -62,11 +62,11 @@ if [[ " $STAGES " == *" det "* ]]; then
     | grep -v Loading | tee "$OUT/det_check.log" | tail -7
   took "check_deterministic" $t0; t0=$SECONDS
   # ABBA: each mode early and late in the call (the same mode's runs moved by up to 14% within one call)
-  timeout "$(left 300)" python3 -m scripts.bench_rollout --shape llama8b --workloads b a c --deterministic off on on off \
+  timeout "$(left 300)" python3 -m benchmarks.rollout --shape llama8b --workloads b a c --deterministic off on on off \
     ${CGBS:+--cuda-graph-max-bs $CGBS} --json "$OUT/det_rollout.json" 2>&1 | grep -v Loading | tee "$OUT/det_rollout.log" | tail -17
-  took "bench_rollout b a c, deterministic off on on off" $t0; t0=$SECONDS
+  took "benchmarks.rollout b a c, deterministic off on on off" $t0; t0=$SECONDS
   if [ "$(left 30)" -ge 30 ]; then
-    timeout "$(left 60)" python3 -m scripts.bench_batch_invariant --rows 1 256 8192 2>&1 | tee "$OUT/det_matmul.log" | tail -6
-    took "bench_batch_invariant" $t0
+    timeout "$(left 60)" python3 -m benchmarks.kernels.batch_invariant --rows 1 256 8192 2>&1 | tee "$OUT/det_matmul.log" | tail -6
+    took "benchmarks.kernels.batch_invariant" $t0
   fi
 fi

@@ -5,7 +5,6 @@ the new weights to every engine over a private weight-sync group (NCCL on GPU, g
     torchrun --nproc-per-node T+E scripts/launch_disagg.py --model DIR --trainer-ranks T \\
         [--device cpu|cuda] [--backend gloo|nccl] [--steps 2] [--samples 2] [--temperature 1] \\
         [--probe | --verify] [--save-dir DIR] [--output run.json] [--timeout-s 300]
-    torchrun --nproc-per-node 2 scripts/launch_disagg.py --model llama8b --device cuda --dtype bfloat16 --bench-broadcast
 
 One step: engines generate rollouts for their share of the prompts (strided) -> gathered on
 rank 0 over the default group (and broadcast to the other trainer ranks) -> each trainer
@@ -36,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from rollout import Engine, SamplingParams
-from rollout.bench.broadcast import run_bench
 from rollout.distributed.collectives import broadcast_bytes, broadcast_int, gather_bytes
 from rollout.distributed.dp_rollout import run_dp_rollout
 from rollout.distributed.group import DistContext, init_distributed, shutdown
@@ -258,9 +256,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-addr", default="127.0.0.1", help="the weight-sync store's host (trainer rank 0's)")
     parser.add_argument("--sync-port", type=int_at_least(0), default=0, help="0: rank 0 picks a free port")
     parser.add_argument("--bucket-mb", type=int_at_least(1), default=512)
-    parser.add_argument("--bench-broadcast", action="store_true",
-                        help="instead of the loop: time the weight broadcast against raw broadcasts (rollout/bench/broadcast.py)")
-    parser.add_argument("--bench-repeats", type=int_at_least(1), default=3)
     return parser.parse_args(argv)
 
 
@@ -268,13 +263,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     roles = Roles(args.trainer_ranks, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_distributed(resolve_backend(args), args.device, args.timeout_s, roles.role_of)
-    if args.bench_broadcast:
-        result = run_bench(args, ctx, roles)
-    else:
-        records = run_loop(args, ctx, roles)
-        result = {"steps": [asdict(r) for r in records]}
+    records = run_loop(args, ctx, roles)
     if ctx.rank == 0 and args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), **result}))
+        Path(args.output).write_text(json.dumps({"args": vars(args), "steps": [asdict(r) for r in records]}))
     shutdown(ctx)
 
 

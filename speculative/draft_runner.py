@@ -51,7 +51,7 @@ class DraftRunner:
         check_same_tokenizer(self.path, config.model)
         self.context_len = cfg.max_position_embeddings
         self.device = device
-        self.model = build_model(cfg, self.context_len, config.torch_dtype, device)
+        self.model = build_model(cfg, self.context_len, config.torch_dtype, device, options=config.kernel_options)
         if config.load_format == "dummy":
             init_random_weights(self.model, config.seed + 1)
         else:
@@ -61,7 +61,8 @@ class DraftRunner:
         self.graphs: DecodeGraphs | None = None
         # token rows up to which a forward runs as decode rows; None: the largest decode graph
         # (0 without graphs: on CPU the extend layout is as fast); tests force it on CPU
-        self.rows_max: int | None = None
+        # (KernelOptions.draft_rows_max)
+        self.rows_max: int | None = config.kernel_options.draft_rows_max
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -72,7 +73,8 @@ class DraftRunner:
 
     def make_pool(self, max_tokens: int) -> None:
         c = self.model_config
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens, 1, self.config.torch_dtype, self.device)
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens, 1, self.config.torch_dtype, self.device,
+                           self.config.kernel_options)
         log.info("draft model %s: %.2f GiB of weights, KV for %d tokens (%.2f GiB)", self.path,
                  self.weight_bytes() / 2**30, max_tokens, max_tokens * self.kv_bytes_per_token() / 2**30)
 
@@ -85,7 +87,8 @@ class DraftRunner:
         assert self.pool is not None
         c, config = self.model_config, self.config
         self.graphs = None
-        self.backend = make_backend(config.attention, self.pool, c.num_heads, c.num_kv_heads, c.head_dim, config.device)
+        self.backend = make_backend(config.attention, self.pool, c.num_heads, c.num_kv_heads, c.head_dim, config.device,
+                                    config.kernel_options)
         if self.device.type == "cuda" and config.cuda_graph and self.backend.graphable:
             start = time.perf_counter()
             # rows = requests x (1 + k): the catch-up after a verify runs as decode rows

@@ -14,6 +14,7 @@ import torch
 from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.kernels import batch_invariant
+from rollout.kernels.options import KernelOptions
 
 NEW = 10
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=11, ignore_eos=True, logprobs_mode="raw")
@@ -121,26 +122,22 @@ def test_the_gpu_kernels_under_the_interpreter(llama: TinyModel, monkeypatch) ->
     against a fresh engine: all bitwise the same, and greedy equals transformers."""
     pytest.importorskip("triton", reason="triton is not installed")
     from mma_dot import use_mma_dot
-    from rollout import kernels
-    from rollout.attention import deterministic_backend
 
-    monkeypatch.setattr(batch_invariant, "use_triton", True)
-    monkeypatch.setattr(deterministic_backend, "use_triton", True)
-    monkeypatch.setattr(kernels, "enabled", True)
     use_mma_dot(monkeypatch)
+    kernels = KernelOptions(fused=True, deterministic_triton=True)  # every kernel on CPU tensors
     probe = make_prompts(llama.vocab_size, [19], seed=5)
     others = make_prompts(llama.vocab_size, [4, 11], seed=6)
     params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=2, ignore_eos=True)
-    alone = _run(llama, probe, params)
-    assert _run(llama, others + probe, params, max_prefill_tokens=8)[2:] == alone
+    alone = _run(llama, probe, params, kernel_options=kernels)
+    assert _run(llama, others + probe, params, max_prefill_tokens=8, kernel_options=kernels)[2:] == alone
     greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
-    engine = Engine(EngineConfig(model=llama.path, deterministic=True))
+    engine = Engine(EngineConfig(model=llama.path, deterministic=True, kernel_options=kernels))
     first = engine.generate(input_ids=probe, sampling_params=greedy)[0]
     assert first.token_ids == llama.greedy(probe[0], 4)
     follow_up = probe[0] + first.token_ids + others[0]
     hit = engine.generate(input_ids=[follow_up], sampling_params=params)[0]
     assert hit.num_cached_tokens > len(probe[0])
-    cold = _run(llama, [follow_up], params, enable_radix_cache=False)[0]
+    cold = _run(llama, [follow_up], params, enable_radix_cache=False, kernel_options=kernels)[0]
     assert (hit.token_ids, hit.logprobs) == cold
 
 
@@ -151,17 +148,13 @@ def test_decode_graphs_replay_the_same_bits(llama: TinyModel, monkeypatch) -> No
     CUDA: real graphs, bf16."""
     pytest.importorskip("triton", reason="triton is not installed")
     from mma_dot import use_mma_dot
-    from rollout import kernels
-    from rollout.attention import deterministic_backend
 
     prompts = make_prompts(llama.vocab_size, [3, 11, 6], seed=30)
     params = [SamplingParams(temperature=1.0, max_new_tokens=n, seed=4, ignore_eos=True) for n in (5, 2, 4)]
     cuda = torch.cuda.is_available()
     device = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096) if cuda else {}  # bf16: the MMA kernels
-    if not cuda:
-        monkeypatch.setattr(batch_invariant, "use_triton", True)
-        monkeypatch.setattr(deterministic_backend, "use_triton", True)
-        monkeypatch.setattr(kernels, "enabled", True)
+    if not cuda:  # every kernel on CPU tensors (interpreted)
+        device = dict(kernel_options=KernelOptions(fused=True, deterministic_triton=True))
         use_mma_dot(monkeypatch)
     eager = Engine(EngineConfig(model=llama.path, deterministic=True, cuda_graph=False, **device))
     graphed = Engine(EngineConfig(model=llama.path, deterministic=True, cuda_graph_max_bs=4, **device))

@@ -20,14 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels import pdl
+from rollout.kernels.pdl import launch as pdl_launch
 from rollout.kernels.low_rank import MAX_SPLIT
 
 __all__ = ["BLOCK_K", "shrink_row", "splits"]
 
 BLOCK_K = 512  # K per program: one [BLOCK_R, BLOCK_K] load of A (launch shapes: BENCHMARKS.md, multi-LoRA session 13)
 _BLOCK_R = 16  # rank columns per program
-NUM_WARPS = 4  # per program; BLOCK_K and this are read at each launch (lora/kernels/bench_row.py sweeps them)
+NUM_WARPS = 4  # per program; BLOCK_K and this are read at each launch (benchmarks/kernels/lora_row.py sweeps them)
 # Under the interpreter (CPU tests), K blocks this wide so several splits run on tiny shapes.
 INTERPRETER_BLOCK_K = 32
 
@@ -75,9 +75,10 @@ def _shrink_row_kernel(x_ptr, a_ptr, h_ptr, slot_ptr, ranks_ptr, K, stride_as, s
 
 
 def shrink_row(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_ranks: torch.Tensor, *,
-               num_slices: int, max_rank: int) -> torch.Tensor:
+               num_slices: int, max_rank: int, pdl: bool = True) -> torch.Tensor:
     """h fp32 [SPLIT, num_slices * max_rank] of partial sums; see ``lora.ops.shrink_row``.
-    Columns at or past the slot's rank, and all of h when the slot is -1, are left unwritten."""
+    Columns at or past the slot's rank, and all of h when the slot is -1, are left unwritten.
+    `pdl`: launch early where the GPU can (KernelOptions.pdl)."""
     hidden = x.shape[1]
     cols = num_slices * max_rank
     block_k = _block_k(hidden, x.device)
@@ -89,5 +90,5 @@ def shrink_row(x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, slot_
     _shrink_row_kernel[(num_slices * r_blocks, split)](
         x, weights, h, slot, slot_ranks, hidden, weights.stride(0), weights.stride(1),
         MAX_RANK=max_rank, COLS=cols, R_BLOCKS=r_blocks, BLOCK_R=_BLOCK_R, BLOCK_K=block_k, num_warps=NUM_WARPS,
-        **pdl.launch(x.device))
+        **pdl_launch(x.device, pdl))
     return h

@@ -22,7 +22,8 @@ columns past a slot's rank, out's rows outside every segment are not even read.
 The grid depends only on host ints (shapes), never on device values, so a call is one
 launch and is CUDA-graph capturable with the segment tensors changing between replays.
 
-Expand launches with programmatic dependent launch on Hopper and later (`pdl_enabled`):
+Expand launches with programmatic dependent launch on Hopper and later (`pdl_enabled`; its
+`pdl` argument, KernelOptions.lora_pdl, default from ROLLOUT_LORA_PDL, may turn it off):
 it may start while the kernel before it (the base GEMM that wrote out, or the shrink that
 wrote h) drains, and does its launch, segment lookup and row loads meanwhile; it waits
 (griddepcontrol.wait) before its first read of h or out, the only inputs a kernel right
@@ -35,35 +36,29 @@ holds the torch reference and dispatches here. The launchers assume checked argu
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from lora.kernels import MAX_SLICES
-from rollout.kernels import pdl
+from rollout.kernels.pdl import enabled as pdl_on
+from rollout.kernels.pdl import launch as pdl_launch
 from lora.kernels.tiling import expand_tiling, shrink_tiling
 
 __all__ = ["pdl_enabled", "sgmv_expand", "sgmv_shrink"]
 
 # Segments scanned per vector load when a program looks up its tile's segment.
 _MAX_BLOCK_G = 128
-# Tests (and benchmark sweeps) force shrink's split-K / expand's column block here; None: from shapes.
-_FORCE_SPLIT_K: int | None = None
-_FORCE_EXPAND_BLOCK_N: int | None = None
 # Under the interpreter (CPU tensors) programs run one after another: few and wide ones.
 _INTERPRETER_NUM_SMS = 1
 
 
-# ROLLOUT_LORA_PDL=0 launches expand without programmatic dependent launch (A/B, a fallback).
-_PDL_ENV = os.environ.get("ROLLOUT_LORA_PDL", "1").strip().lower() not in ("0", "false")
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Does expand launch with programmatic dependent launch on this device (CUDA, sm_90+,
-    a Triton that supports it, ROLLOUT_LORA_PDL not 0)? Never under the interpreter."""
-    return pdl.enabled(device, env=_PDL_ENV)
+def pdl_enabled(device: torch.device, on: bool = True) -> bool:
+    """Does expand launch with programmatic dependent launch on this device (`on`:
+    KernelOptions.lora_pdl, CUDA, sm_90+, a Triton that supports it)? Never under the
+    interpreter."""
+    return pdl_on(device, on)
 
 
 @functools.cache
@@ -159,13 +154,15 @@ def _shrink_kernel(
 
 
 def sgmv_shrink(x: torch.Tensor, weights: torch.Tensor, row_ids: torch.Tensor, seg_indptr: torch.Tensor,
-                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, num_slices: int, max_rank: int) -> torch.Tensor:
+                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *, num_slices: int, max_rank: int,
+                split_k: int | None = None) -> torch.Tensor:
     """h fp32 [SPLIT_K, R, num_slices * max_rank] of partial sums; see ``lora.ops.sgmv_shrink``.
-    Padding positions and columns at or past a slot's rank are left unwritten."""
+    Padding positions and columns at or past a slot's rank are left unwritten. `split_k`
+    forces the split (KernelOptions.lora_split_k: tests, benchmark sweeps); None: from shapes."""
     num_tokens, hidden = x.shape
     num_rows, num_segments, num_cols = row_ids.shape[0], seg_slots.shape[0], num_slices * max_rank
     tiling = shrink_tiling(num_rows, num_segments, hidden, num_slices, max_rank, x.element_size(),
-                           num_sms=_num_sms(x.device), split_k=_FORCE_SPLIT_K)
+                           num_sms=_num_sms(x.device), split_k=split_k)
     if hidden == 0:  # x @ A^T of an empty K is zero
         return torch.zeros((1, num_rows, num_cols), dtype=torch.float32, device=x.device)
     h = torch.empty((tiling.split_k, num_rows, num_cols), dtype=torch.float32, device=x.device)
@@ -244,8 +241,10 @@ def _expand_kernel(
 
 def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_ids: torch.Tensor,
                 seg_indptr: torch.Tensor, seg_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
-                slice_offsets: tuple[int, ...], max_rank: int) -> None:
-    """out[row_ids] += (sum of h's partials) @ B^T per segment, in place; see ``lora.ops.sgmv_expand``."""
+                slice_offsets: tuple[int, ...], max_rank: int, block_n: int | None = None, pdl: bool = True) -> None:
+    """out[row_ids] += (sum of h's partials) @ B^T per segment, in place; see ``lora.ops.sgmv_expand``.
+    `block_n` forces the column block (KernelOptions.lora_expand_block_n); `pdl`: launch early
+    where the GPU can (KernelOptions.lora_pdl)."""
     num_tokens, n_out = out.shape
     split_k, num_rows, num_cols = h.shape
     num_segments = seg_slots.shape[0]
@@ -253,7 +252,7 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
     if num_tokens == 0 or num_rows == 0 or num_segments == 0 or n_out == 0:
         return
     tiling = expand_tiling(num_rows, num_segments, widths, max_rank, split_k, num_sms=_num_sms(out.device),
-                           block_n=_FORCE_EXPAND_BLOCK_N)
+                           block_n=block_n)
     block_starts = [0]
     for width in widths:
         block_starts.append(block_starts[-1] + triton.cdiv(width, tiling.block_n))
@@ -269,7 +268,7 @@ def sgmv_expand(h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, row_i
         N_COLS=num_cols, MAX_RANK=max_rank, SPLIT_K=split_k, SPLIT_CHUNK=tiling.split_chunk,
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=tiling.block_r, BLOCK_G=_block_g(num_segments),
         PRECISION=_dot_precision(weights.dtype), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-        **pdl.launch(out.device, env=_PDL_ENV),
+        **pdl_launch(out.device, pdl),
     )
 
 

@@ -25,7 +25,7 @@ __all__ = ["ExpandTiling", "ShrinkTiling", "block_m_for", "expand_tiling", "shri
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; the launcher passes the device's own count
 # Measured on the H200 (8B, rank 16, one decode step's LoRA ops in a graph, python -m
-# lora.kernels.bench --only step --split-k N): batch 1 2.15 ms with up to 64 splits, 1.20 with 4,
+# benchmarks.kernels.sgmv --only step --split-k N): batch 1 2.15 ms with up to 64 splits, 1.20 with 4,
 # 1.09 with 8; batch 16 x 8 adapters 3.05 / 1.59 / 1.95; batch 256 x 8: 2.56 / 2.58 / 3.63. Expand's
 # re-reads of the partials outweigh a wider shrink beyond ~4 splits.
 MAX_SPLIT_K = 4

@@ -6,9 +6,11 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.cache.kv_pool import KVPool
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 
 
-# Decode graphs of at most this many rows run Triton's decode kernel under `auto` (small_decode.py).
+# Decode graphs of at most this many rows run Triton's decode kernel under `auto` (small_decode.py;
+# KernelOptions.small_decode_rows replaces it).
 # A replayed FlashInfer graph re-plans on the host first (its split-KV schedule, pinned copies):
 # without overlap, and in every verify step, that host time is exposed. On an H200 (8B shape,
 # BENCHMARKS.md "the verify step's host time") Triton's graphs ran batch 4-32 decode 4-13%
@@ -17,14 +19,16 @@ from rollout.cache.kv_pool import KVPool
 SMALL_DECODE_ROWS = 48
 
 
-def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, device: str) -> AttentionBackend:
+def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, device: str,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> AttentionBackend:
     """`auto` on CUDA picks FlashInfer (bf16/fp16 KV, when it imports) with Triton's decode
     kernel for the decode graphs of SMALL_DECODE_ROWS rows (small_decode.py), then Triton,
     then the torch reference; on CPU the torch reference (its fast path there). `triton` on
-    CPU works only under TRITON_INTERPRET=1 (for tests)."""
+    CPU works only under TRITON_INTERPRET=1 (for tests). `options`: the engine's kernel
+    choices, which the backend keeps."""
     from rollout.attention.torch_backend import TorchAttention
 
-    args = (pool, num_heads, num_kv_heads, head_dim)
+    args = (pool, num_heads, num_kv_heads, head_dim, options)
     if name == "deterministic":  # chosen by EngineConfig.deterministic, not by name
         from rollout.attention.deterministic_backend import DeterministicAttention
 
@@ -50,7 +54,8 @@ def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, hea
                 return flashinfer
             from rollout.attention.small_decode import SmallDecode
 
-            return SmallDecode(flashinfer, TritonAttention(*args), max_rows=SMALL_DECODE_ROWS)
+            small = SMALL_DECODE_ROWS if options.small_decode_rows is None else options.small_decode_rows
+            return SmallDecode(flashinfer, TritonAttention(*args), max_rows=small)
     try:
         from rollout.attention.triton_backend import TritonAttention
     except ImportError as e:

@@ -13,11 +13,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from rollout.cache.kv_pool import KVPool, KVTarget
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.forward_batch import ForwardBatch
-
-
-# False: kv_target gives None, so forward stores K/V in a launch of its own (A/B in benches).
-FUSED_KV_STORE = True
 
 
 class AttentionBackend(ABC):
@@ -29,8 +26,10 @@ class AttentionBackend(ABC):
     # node's: the context, its ancestors, itself), rather than by pages in position order?
     slot_lists = False
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> None:
         self.pool = pool
+        self.options = options  # the engine's kernel choices (its PDL, the rotary's K/V store)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -64,10 +63,10 @@ class AttentionBackend(ABC):
     def kv_target(self, layer_id: int) -> KVTarget | None:
         """Where this step's new K/V of layer_id go, for the caller to store them in a kernel
         it runs anyway (the rotary) and then call forward(..., stored=True); None: the caller
-        leaves the store to forward."""
+        leaves the store to forward (KernelOptions.rotary_kv_store off: a launch of its own)."""
         batch = self.batch
         assert batch is not None, "plan() before kv_target()"
-        return self.pool.target(layer_id, batch.out_cache_loc) if FUSED_KV_STORE else None
+        return self.pool.target(layer_id, batch.out_cache_loc) if self.options.rotary_kv_store else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 stored: bool = False) -> torch.Tensor:

@@ -37,17 +37,15 @@ KV_TILE = 64
 # 64 is the smallest Hopper wgmma tile, and keeps the accumulator in 4 warps' registers.
 BLOCK_ROWS = 64
 
-# None: the Triton kernel on CUDA, the torch tiles on CPU. Tests set True to run the kernel
-# on CPU tensors under TRITON_INTERPRET=1.
-use_triton: bool | None = None
-
-
 class DeterministicAttention(AttentionBackend):
     name = "deterministic"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.triton = use_triton if use_triton is not None else self.pool.k_buffers[0].is_cuda
+        # KernelOptions.deterministic_triton; None: the Triton kernel on CUDA, the torch tiles on
+        # CPU (True: the kernel on CPU tensors under TRITON_INTERPRET=1, tests)
+        triton = self.options.deterministic_triton
+        self.triton = triton if triton is not None else self.pool.k_buffers[0].is_cuda
         # decode graphs replay the kernel: it reads only device tensors (the torch path plans on the host)
         self.graphable = self.triton
         self._static_table: torch.Tensor | None = None

@@ -29,6 +29,7 @@ from rollout.attention.base import AttentionBackend
 from rollout.attention.page_table import PageTable, page_table
 from rollout.cache.kv_pool import KVPool
 from rollout.device import pinned
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.forward_batch import ForwardBatch
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial outputs; FlashInfer recommends >= 128 MB
@@ -54,8 +55,9 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     graphable = True
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, options)
         self.device = pool.k_buffers[0].device
         self.dtype = pool.k_buffers[0].dtype
         if self.device.type == "cuda" and self.dtype not in (torch.bfloat16, torch.float16):

@@ -27,7 +27,7 @@ from rollout.kernels.pdl_device import launch_next_then_wait
 __all__ = ["PRE_SPLITS", "launch_prefix", "members_max", "prefix_config", "prefix_kernel"]
 
 # Splits of a shared prefix (a graph fixes the grid) and the tile; read at each launch
-# (bench_decode --share sweeps them). H200, 8B heads, 512 rows x 1152 tokens, 8 rows a
+# (benchmarks.kernels.decode_attention --share sweeps them). H200, 8B heads, 512 rows x 1152 tokens, 8 rows a
 # 1024-token prefix (BENCHMARKS.md, "shared-prefix decode"): 4 splits of 32 query rows (8
 # members at GQA 4), 64 keys, 3 stages 197 us; 64 rows 227, 8 splits 226, 8 warps 300-313.
 PRE_SPLITS = 4

@@ -31,7 +31,7 @@ class SmallDecode(AttentionBackend):
             raise ValueError(f"SmallDecode needs two graphable backends, got {main.name!r} and {small.name!r}")
         if main.pool is not small.pool:
             raise ValueError("SmallDecode: both backends must read the same KV pool")
-        super().__init__(main.pool, main.num_heads, main.num_kv_heads, main.head_dim)
+        super().__init__(main.pool, main.num_heads, main.num_kv_heads, main.head_dim, main.options)
         self.main, self.small, self.max_rows = main, small, max_rows
         self.name = f"{main.name}+{small.name}"  # e.g. "flashinfer+triton"
         self.active = main

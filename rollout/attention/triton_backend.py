@@ -12,6 +12,8 @@ import torch
 from rollout.attention.base import AttentionBackend
 from rollout.attention.prefix_kernel import members_max
 from rollout.attention.triton_kernels import decode_attention, default_num_kv_splits, extend_attention
+from rollout.cache.kv_pool import KVPool
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.forward_batch import ForwardBatch
 
 
@@ -19,6 +21,11 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     graphable = True  # kernels read only device tensors once the split count is fixed
     slot_lists = True  # the kernels read K/V by slot
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, options)
+        self.pdl = options.pdl and options.pdl_rotary_attention  # decode's launches
 
     def shared_prefix_rows(self) -> int:
         k = self.pool.k_buffers[0]
@@ -53,7 +60,7 @@ class TritonAttention(AttentionBackend):
             decode_attention(
                 q[:nd], k_buf, v_buf, self.decode_kv_indptr, self.decode_kv_indices, self.scale,
                 out=out[:nd], num_kv_splits=self.decode_num_splits, max_kv_len=self.decode_max_len,
-                shared=self.shared,
+                shared=self.shared, pdl=self.pdl,
             )
         if nd < batch.batch_size:
             extend_attention(

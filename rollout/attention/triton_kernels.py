@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from rollout.attention.prefix_kernel import launch_prefix, prefix_config
-from rollout.kernels import pdl
+from rollout.kernels.pdl import launch as pdl_launch
 from rollout.kernels.pdl_device import launch_next_then_wait
 from rollout.model.forward_batch import SharedPrefixes
 
@@ -31,10 +31,10 @@ _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 _MAX_KV_SPLITS = 64
 _MIN_KV_PER_SPLIT = 256  # below this a split's fixed cost (stage-2 merge, launch tail) dominates
-# Decode's two stages launch early where PDL is available (rollout/kernels/pdl.py): stage 1
-# beside the rotary that stores the new K/V, stage 2 beside stage 1, and the o projection's
-# GEMV beside stage 2. At batch 1 these are ~10 us kernels, so each launch hidden counts.
-PDL: bool | None = None  # None: where available; False: never (A/B)
+# Decode's two stages launch early where PDL is available (rollout/kernels/pdl.py; `pdl`:
+# KernelOptions.pdl and pdl_rotary_attention): stage 1 beside the rotary that stores the new
+# K/V, stage 2 beside stage 1, and the o projection's GEMV beside stage 2. At batch 1 these
+# are ~10 us kernels, so each launch hidden counts.
 
 
 def _block_d(head_dim: int) -> int:
@@ -262,6 +262,7 @@ def decode_attention(
     *,
     max_kv_len: int | None = None,  # host-side hint; avoids a device sync when splits are chosen
     shared: SharedPrefixes | None = None,  # rows grouped by a shared prefix, read once per group
+    pdl: bool = True,  # launch early where the GPU can
 ) -> torch.Tensor:
     """Single-token attention per request over paged KV (flash-decoding, two stages). With
     `shared`, each group's prefix is attended by one pass for all its rows (prefix_kernel.py)
@@ -308,12 +309,12 @@ def decode_attention(
         num_kv_splits,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        HAS_SKIP=shared is not None, **extra, **pdl.launch(q.device, env=PDL),
+        HAS_SKIP=shared is not None, **extra, **pdl_launch(q.device, pdl),
     )
     if shared is not None:
         launch_prefix(q, k_cache, v_cache, kv_indptr, kv_indices, shared.grp_len, shared.grp_indptr, shared.grp_rows,
                       mid_o, mid_lse, sm_scale * _LOG2E, num_kv_splits, head_dim=head_dim, block_d=block_d,
-                      precision=_dot_precision(q.dtype), pdl_kw=pdl.launch(q.device, env=PDL))
+                      precision=_dot_precision(q.dtype), pdl_kw=pdl_launch(q.device, pdl))
     _decode_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, kv_indptr, skip,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -321,7 +322,7 @@ def decode_attention(
         num_kv_splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_SKIP=shared is not None, PRE_SPLITS=pre_splits, PRE_BLOCK_N=pre_block_n,
-        **({"num_warps": 2 if block_d <= 128 else 4, "num_stages": 2} if gpu else {}), **pdl.launch(q.device, env=PDL),
+        **({"num_warps": 2 if block_d <= 128 else 4, "num_stages": 2} if gpu else {}), **pdl_launch(q.device, pdl),
     )
     return out
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout import kernels
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 
 
 class OutOfSlots(RuntimeError):
@@ -112,10 +113,11 @@ class KVTarget:
     k_cache: torch.Tensor  # [num_slots, Hkv, D]
     v_cache: torch.Tensor
     slots: torch.Tensor  # [T], device
+    fused: bool | None = None  # KernelOptions.fused of the pool's engine
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [T, Hkv, D]
-        if kernels.use_fused(k):  # GPU: K and V in one launch
+        if kernels.use_fused(k, self.fused):  # GPU: K and V in one launch
             kernels.rotary.store_kv(self.k_cache, self.v_cache, self.slots, k, v)
             return
         self.k_cache.index_copy_(0, self.slots, k.to(self.k_cache.dtype))
@@ -134,7 +136,9 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        options: KernelOptions = DEFAULT_OPTIONS,
     ) -> None:
+        self.fused = options.fused  # the KV store's and copies' kernels (KernelOptions.fused)
         num_pages = -(-max_total_tokens // page_size) + 1  # +1: the reserved padding page
         self.allocator = PageAllocator(num_pages, page_size)
         self.page_size = page_size
@@ -150,7 +154,7 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def target(self, layer_id: int, slots: torch.Tensor) -> KVTarget:
-        return KVTarget(self.k_buffers[layer_id], self.v_buffers[layer_id], slots)
+        return KVTarget(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, self.fused)
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -160,7 +164,7 @@ class KVPool:
         """Copy every layer's KV from slots `src` to slots `dst` (CPU int tensors): a fork's
         partial page, a draft tree's accepted path. No move may read a slot an earlier move
         writes. On the GPU one launch for all layers (kernels/kv_copy.py says why)."""
-        if kernels.use_fused(self.k_buffers[0]):
+        if kernels.use_fused(self.k_buffers[0], self.fused):
             kernels.kv_copy.copy_slots([*self.k_buffers, *self.v_buffers], src, dst)
             return
         for k, v in zip(self.k_buffers, self.v_buffers):

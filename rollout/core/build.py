@@ -3,7 +3,8 @@ backend and the runner (with its decode CUDA graphs).
 
 One function so that construction can be re-run (a draft model, waking from sleep) and so
 that engine.py stays a facade. The KV pool is sized before graphs and workspace because
-graphs bake its addresses in.
+graphs bake its addresses in. Everything that launches a kernel gets the config's one
+KernelOptions here, so graphs are captured with the options the engine was built with.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
         raise ValueError(f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size} but the given TP group has "
                          f"{tp.size} ranks")
     context_len = cfg.max_position_embeddings
-    model = build_model(cfg, context_len, config.torch_dtype, device, tp)
+    options = config.kernel_options
+    model = build_model(cfg, context_len, config.torch_dtype, device, tp, options)
     if config.load_format == "dummy":
         init_random_weights(model, config.seed)
     else:
@@ -113,12 +115,12 @@ def build_parts(config: EngineConfig, device: torch.device, tp: TensorParallel |
     # smallest budget, when free memory differs between the GPUs.
     max_tokens = tp.min_int(max_tokens)
     kv_pool = KVPool(cfg.num_layers, cfg.num_kv_heads // tp.size, cfg.head_dim, max_tokens, config.page_size,
-                     config.torch_dtype, device)  # this rank's KV heads
+                     config.torch_dtype, device, options)  # this rank's KV heads
     table_width = min(context_len, kv_pool.allocator.capacity_slots) + config.page_size
     req_table = ReqSlotTable(config.max_running_requests + 1, table_width)
     kv = KVManager(kv_pool, req_table, config.enable_radix_cache)
     scheduler = Scheduler(config, kv, lora)
-    runner = ModelRunner(model, None, req_table.table, device, lora.pool if lora is not None else None)
+    runner = ModelRunner(model, None, req_table.table, device, lora.pool if lora is not None else None, options)
     runner.share_prefixes = config.shared_prefix_attention
     log.info("KV cache: %d tokens fit (%d pages of %d, %.1f GiB) on %s", kv.capacity,
              kv_pool.allocator.num_pages - 1, config.page_size,
@@ -149,7 +151,7 @@ def _warm_batch_invariant(config: EngineConfig, model: LlamaModel, device: torch
     start = time.perf_counter()
     # a step's rows: a prefill chunk plus the decodes batched with it
     calls = batch_invariant.warm_up(shapes, config.max_prefill_tokens + config.max_running_requests,
-                                    config.torch_dtype, device)
+                                    config.torch_dtype, device, model.options)
     if calls:
         log.info("deterministic matmul: %d kernel variants warmed in %.1f s", calls, time.perf_counter() - start)
 
@@ -162,7 +164,7 @@ def attach_backend(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, 
     tp = runner.model.tp  # this rank's heads
     attention = "deterministic" if config.deterministic else config.attention
     runner.backend = make_backend(attention, kv_pool, cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size,
-                                  cfg.head_dim, config.device)
+                                  cfg.head_dim, config.device, config.kernel_options)
     start = time.perf_counter()
     if launches := runner.backend.warm_up():
         log.info("%s attention: %d launch shapes warmed in %.1f s", attention, launches, time.perf_counter() - start)
@@ -186,7 +188,7 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaModel, device
     from lora.pool import LoraPool
 
     pool = LoraPool(cfg, config.max_loras_per_batch, config.max_lora_rank, config.lora_target_modules,
-                    config.torch_dtype, device, model.tp)
+                    config.torch_dtype, device, model.tp, config.kernel_options)
     for layer, name, linear in model.projections():
         linear.lora = pool.hook(layer, name)
     log.info("LoRA: %d slots of rank <= %d on %s (%.2f GiB)", pool.num_slots, pool.max_rank,

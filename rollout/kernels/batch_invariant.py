@@ -18,7 +18,8 @@ prefilled in one chunk or several. cuBLAS does the same on the GPU (split-K pick
   tensors under TRITON_INTERPRET=1 (tests).
 
 What it does not know: which layers call it (the model's Linear does, when told to by the
-engine's builder).
+engine's builder). Its KernelOptions (the caller's) say whether the Triton kernel runs
+(`deterministic_triton`) and may fix one tile config for every shape (`batch_invariant_tiles`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.kernels.tma import tma_ok
 
 ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row call at batch 64
@@ -38,7 +40,7 @@ ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row c
 # constant of the engine, never chosen per call. 2048 gives the down projection (K = 14336) 7
 # chunks to spread over programs at one row and the 4096-wide ones 2 (enough at 17-64 rows),
 # while a wide call drains its MMA pipeline to add a chunk's sum once per 32 K steps of 64:
-# measured on the H200 against 512 (scripts/bench_batch_invariant.py --k-chunk, one call), the
+# measured on the H200 against 512 (benchmarks/kernels/batch_invariant.py --k-chunk, one call), the
 # matmuls of a decode step at 1 / 64 / 512 rows 4.19 / 4.81 / 12.26 ms against 4.20 / 5.25 /
 # 12.93 and an 8192-row prefill chunk 174.9 against 188.1 ms (cuBLAS 160.6); one chunk for all
 # of K (no split possible) was no faster at 8192 rows (179.0) and 22% slower at 1 and 64.
@@ -65,7 +67,7 @@ class TileConfig:
     tma: bool = False  # X and W tiles by TMA descriptors (Hopper and later; not with split)
 
 GROUP_M = 8  # row tiles per launch group (L2 reuse, batch_invariant_triton.py); no effect on bits
-# Measured on the H200 (BENCHMARKS.md, scripts/bench_batch_invariant.py: bf16, the Llama-3.1-8B
+# Measured on the H200 (BENCHMARKS.md, benchmarks/kernels/batch_invariant.py: bf16, the Llama-3.1-8B
 # projections replayed from CUDA graphs with the weight coming from HBM). The K step may follow the
 # shape too: 64-, 128- and 256-wide K steps give the same bits (an MMA chain of 16-wide steps
 # either way), only K_CHUNK may not change.
@@ -95,13 +97,14 @@ _SMALL_DEEP = TileConfig(64, 128, 128, 4, 3, tma=True)
 _SMALL_MANY = TileConfig(64, 128, 64, 4, 3, tma=True)
 _LARGE = TileConfig(128, 256, 64, 8, 3, tma=True)
 _LARGE_FEW = TileConfig(128, 128, 64, 8, 4, tma=True)
-config: TileConfig | None = None  # a fixed override (the benchmark's candidates); None: chosen here
 _SMS = 132  # the H200's SMs; only where the tiles' count is weighed, never for the bits
 
 
-def config_for(m: int, n: int, k: int = 0) -> TileConfig:
-    if config is not None:
-        return config
+def config_for(m: int, n: int, k: int = 0, fixed: TileConfig | None = None) -> TileConfig:
+    """The tiles of an [m, k] x [n, k]^T call; `fixed` (KernelOptions.batch_invariant_tiles):
+    that one config for every shape."""
+    if fixed is not None:
+        return fixed
     if m <= 16:
         return _STREAM_SPLIT if k > 4096 and n <= 32768 else _STREAM
     if m <= 64:
@@ -140,24 +143,23 @@ def _tiles(m: int, n: int, block_m: int, block_n: int) -> int:
     return -(-m // block_m) * -(-n // block_n)
 
 
-# None: Triton on CUDA tensors (when it imports), blocked torch elsewhere. Tests set True to
-# run the Triton kernel on CPU tensors under TRITON_INTERPRET=1.
-use_triton: bool | None = None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """F.linear(x, weight, bias) whose every row is computed the same way whatever the other
-    rows are and however many there are. x: [..., K], weight: [N, K] -> [..., N]."""
+    rows are and however many there are. x: [..., K], weight: [N, K] -> [..., N]. `options`:
+    Triton or the blocked torch path (`deterministic_triton`; None: Triton on CUDA tensors, when
+    it imports; True: on CPU tensors too, under TRITON_INTERPRET=1), and fixed tiles if any."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    if _triton_wanted(x):
-        out = _triton_linear(rows, weight, bias)
+    if _triton_wanted(x, options.deterministic_triton):
+        out = _triton_linear(rows, weight, bias, options.batch_invariant_tiles)
     else:
         out = _blocked_linear(rows, weight, bias)
     return out.reshape(*lead, weight.shape[0])
 
 
-def warm_up(shapes: set[tuple[int, int]], max_rows: int, dtype: torch.dtype, device: torch.device) -> int:
+def warm_up(shapes: set[tuple[int, int]], max_rows: int, dtype: torch.dtype, device: torch.device,
+            options: KernelOptions = DEFAULT_OPTIONS) -> int:
     """Compile, at engine start, every kernel a step may launch for these weight shapes ([N, K])
     and 1..max_rows rows; returns the number of calls made.
 
@@ -168,35 +170,35 @@ def warm_up(shapes: set[tuple[int, int]], max_rows: int, dtype: torch.dtype, dev
     per (config, specialization), at the fewest rows that reach it: on a fresh H200 49 calls in
     7.4 s for the Llama-3.1-8B shapes; compiled kernels are cached on disk, so a later start
     only runs them (0.0-0.1 s)."""
-    if not (_triton_wanted(torch.empty(0, device=device)) and device.type == "cuda"):
+    if not (_triton_wanted(torch.empty(0, device=device), options.deterministic_triton) and device.type == "cuda"):
         return 0
     calls = 0
     for n, k in sorted(shapes):
         weight = torch.zeros(n, k, dtype=dtype, device=device)
-        for m in warm_rows(n, k, max_rows):
-            linear(torch.zeros(m, k, dtype=dtype, device=device), weight)
+        for m in warm_rows(n, k, max_rows, options.batch_invariant_tiles):
+            linear(torch.zeros(m, k, dtype=dtype, device=device), weight, options=options)
             calls += 1
     torch.cuda.synchronize(device)
     return calls
 
 
-def variant_of(m: int, n: int, k: int) -> tuple[TileConfig, bool, bool]:
+def variant_of(m: int, n: int, k: int, fixed: TileConfig | None = None) -> tuple[TileConfig, bool, bool]:
     """What Triton compiles apart for an [m, k] x [n, k]^T call: the tile config, and the row
     count's specializations (== 1, a multiple of 16); N and K are the model's, fixed."""
-    return config_for(m, n, k), m == 1, m % 16 == 0
+    return config_for(m, n, k, fixed), m == 1, m % 16 == 0
 
 
-def warm_rows(n: int, k: int, max_rows: int) -> list[int]:
+def warm_rows(n: int, k: int, max_rows: int, fixed: TileConfig | None = None) -> list[int]:
     """The fewest rows that reach each kernel variant of 1..max_rows rows, rising."""
     first: dict[tuple, int] = {}
     for m in range(1, max_rows + 1):
-        first.setdefault(variant_of(m, n, k), m)
+        first.setdefault(variant_of(m, n, k, fixed), m)
     return sorted(first.values())
 
 
-def _triton_wanted(x: torch.Tensor) -> bool:
-    if use_triton is not None:
-        return use_triton
+def _triton_wanted(x: torch.Tensor, triton: bool | None) -> bool:
+    if triton is not None:
+        return triton
     if not x.is_cuda:
         return False
     from rollout import kernels
@@ -218,7 +220,8 @@ def _blocked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out if bias is None else out + bias
 
 
-def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   fixed: TileConfig | None) -> torch.Tensor:
     import triton
 
     from rollout.kernels.batch_invariant_triton import matmul_kernel, reduce_kernel
@@ -230,7 +233,7 @@ def _triton_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
-    c = fit_shared_memory(config_for(m, n, k), rows.element_size())
+    c = fit_shared_memory(config_for(m, n, k, fixed), rows.element_size())
     if c.k_chunk % c.block_k:
         raise ValueError(f"k_chunk {c.k_chunk} must be a multiple of block_k {c.block_k}")
     chunks = triton.cdiv(k, c.k_chunk)

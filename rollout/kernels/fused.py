@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels import pdl
+from rollout.kernels.pdl import launch as pdl_launch
 from rollout.kernels.pdl_device import launch_next_then_wait
 
 __all__ = ["rms_norm", "silu_and_mul"]
@@ -76,9 +76,9 @@ def _num_warps(elements: int) -> int:
 
 
 # RMSNorm and SiLU-mul come right before the projections' matmuls. Where PDL is available
-# (rollout/kernels/pdl.py) they launch early and let the next kernel launch at once: the
-# skinny matmul (rollout/kernels/skinny.py) then streams its first weights while they run.
-PDL: bool | None = None  # None: where available; False: never (A/B)
+# (rollout/kernels/pdl.py; `pdl`: KernelOptions.pdl) they launch early and let the next kernel
+# launch at once: the skinny matmul (rollout/kernels/skinny.py) then streams its first weights
+# while they run.
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -168,16 +168,17 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None,
-             rows_per_program: int | None = None, delta: torch.Tensor | None = None) -> torch.Tensor: ...
+             rows_per_program: int | None = None, delta: torch.Tensor | None = None,
+             pdl: bool = True) -> torch.Tensor: ...
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-             rows_per_program: int | None = None,
-             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+             rows_per_program: int | None = None, delta: torch.Tensor | None = None,
+             pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             rows_per_program: int | None = None,
-             delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             rows_per_program: int | None = None, delta: torch.Tensor | None = None,
+             pdl: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., N], in transformers' LlamaRMSNorm op order:
     ``h = r.float(); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(x.dtype)``.
 
@@ -225,7 +226,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         eps,
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
-        HAS_DELTA=delta is not None, num_warps=_num_warps(block_m * block_n), **pdl.launch(x.device, env=PDL),
+        HAS_DELTA=delta is not None, num_warps=_num_warps(block_m * block_n), **pdl_launch(x.device, pdl),
     )
     return out if res_out is None else (out, res_out)
 
@@ -256,7 +257,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, n_cols, stride_x, BLOCK: tl.
     tl.store(out_ptr + row * n_cols + cols, (silu * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """gate_up [..., 2I] (gate first, up second) -> silu(gate) * up [..., I], in gate_up's
     dtype with fp32 math inside, rounded where ``F.silu(gate) * up`` rounds. ``delta`` (2-D
     gate_up only): an fp32 [T, 2I] added to gate_up first (see the module docstring)."""
@@ -274,5 +275,5 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     block = min(triton.next_power_of_2(inter), _SILU_BLOCK)
     grid = (x2.shape[0], triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x2, out, delta if delta is not None else out, inter, x2.stride(0), BLOCK=block,
-                               HAS_DELTA=delta is not None, num_warps=4, **pdl.launch(gate_up.device, env=PDL))
+                               HAS_DELTA=delta is not None, num_warps=4, **pdl_launch(gate_up.device, pdl))
     return out

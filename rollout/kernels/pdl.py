@@ -9,20 +9,17 @@ no kernel of the step writes (weights), compute addresses, and launch. A kernel 
 `gdc_launch_dependents()` early lets the next one start; a kernel launched without the flag
 waits for the one before it whole, as usual, so the two sides can be adopted one by one.
 Both instructions are sm_90 PTX: kernels take them behind a constexpr from `enabled`.
+Whether an engine uses it at all is its KernelOptions' (`pdl`, default from ROLLOUT_PDL):
+the launchers take that as `on`.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 __all__ = ["enabled", "launch", "triton_has_pdl"]
-
-# ROLLOUT_PDL=0 turns it off for every kernel of rollout/ (A/B, a fallback).
-ENV = os.environ.get("ROLLOUT_PDL", "1").strip().lower() not in ("0", "false")
-
 
 @functools.cache
 def triton_has_pdl() -> bool:
@@ -39,14 +36,13 @@ def _device_has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9  # griddepcontrol: sm_90+
 
 
-def enabled(device: torch.device, env: bool | None = None) -> bool:
-    """May kernels on `device` use PDL (CUDA, sm_90+, a Triton that supports it, `env`
-    (default ROLLOUT_PDL) not off)? Never under the interpreter (CPU tensors)."""
-    on = ENV if env is None else env
+def enabled(device: torch.device, on: bool = True) -> bool:
+    """May kernels on `device` use PDL (`on`, CUDA, sm_90+, a Triton that supports it)? Never
+    under the interpreter (CPU tensors)."""
     return on and device.type == "cuda" and triton_has_pdl() and _device_has_pdl(device)
 
 
-def launch(device: torch.device, env: bool | None = None) -> dict:
+def launch(device: torch.device, on: bool = True) -> dict:
     """The launch keywords of a kernel written for PDL: its USE_PDL constexpr, and Triton's
-    `launch_pdl` where `enabled(device, env)`."""
-    return {"USE_PDL": True, "launch_pdl": True} if enabled(device, env) else {"USE_PDL": False}
+    `launch_pdl` where `enabled(device, on)`."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(device, on) else {"USE_PDL": False}

@@ -21,16 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels import pdl
+from rollout.kernels.pdl import launch as pdl_launch
 from rollout.kernels.fused import _TILE, _check_delta, _check_dtype, _last_dim_contiguous, _num_warps
 from rollout.kernels.pdl_device import launch_next_then_wait
 
 __all__ = ["rotary_embedding", "store_kv"]
 
 # The rotary comes right after qkv's matmul and before attention. Where PDL is available
-# (rollout/kernels/pdl.py) it launches early and lets the next kernel launch at once, as the
-# norms do: at batch 1 a layer's kernels each launch beside the one before.
-PDL: bool | None = None  # None: where available; False: never (A/B)
+# (rollout/kernels/pdl.py; `pdl`: KernelOptions.pdl and pdl_rotary_attention) it launches early
+# and lets the next kernel launch at once, as the norms do: at batch 1 a layer's kernels each
+# launch beside the one before.
 
 
 # ---------------------------------------------------------------------------- rotary
@@ -138,8 +138,8 @@ def _rotary_kernel(
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      positions: torch.Tensor, *, inplace: bool = False, v: torch.Tensor | None = None,
                      delta: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-                     v_cache: torch.Tensor | None = None,
-                     slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                     pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (HF, non-interleaved) RoPE of q [T, H, D] and k [T, Hkv, D] at
     ``positions`` [T] (int), with cos/sin tables [max_pos, D/2] (fp32, cast to q's dtype
     before use, as ``Rotary.forward`` does). q/k may be strided views (e.g. slices of the
@@ -203,7 +203,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_DELTA=delta is not None, STORE=store,
         num_warps=_num_warps(block_h * block_half),
-        enable_fp_fusion=False, **pdl.launch(q.device, env=PDL),
+        enable_fp_fusion=False, **pdl_launch(q.device, pdl),
     )
     return q_out, k_out
 

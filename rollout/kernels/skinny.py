@@ -48,12 +48,11 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels import pdl
+from rollout.kernels.pdl import launch as pdl_launch
 from rollout.kernels.low_rank import MAX_SPLIT, LowRank
 
 __all__ = ["RopeKV", "Tiles", "linear", "linear_rope_kv", "linear_silu_mul", "tiles_for"]
 
-PDL: bool | None = None  # launch early (rollout/kernels/pdl.py); None: where it is available, False: never
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_LOW_RANK_SLICES = 3  # the epilogue finds a row's slice among q/k/v at most
 
@@ -68,7 +67,7 @@ class Tiles:
 
 def tiles_for(n: int, k: int) -> Tiles:
     """The launch shape for x [1, k] @ W [n, k]^T (chosen by `python -m
-    rollout.kernels.bench_skinny` on an H200; BENCHMARKS.md has the sweep): the best of 36
+    benchmarks.kernels.skinny` on an H200; BENCHMARKS.md has the sweep): the best of 36
     for Llama-3.1-8B's o and down, 1% off the best for gate_up, and a step's projections in
     3.63 ms against cuBLAS's 3.93."""
     return Tiles(block_n=4, block_k=1024, num_warps=2)
@@ -112,7 +111,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     if LOW_RANK:  # h's partials in flight beside x's first tile, summed at once: no load left for the epilogue
         l_h = tl.sum(tl.load(l_h_ptrs, mask=l_h_mask, other=0.0), axis=1)
         # the delta now, so only [BLOCK_N] of it lives through the K loop: h and B held there took
-        # 168 registers a thread against 128, 6 programs an SM instead of 8 (scripts/gemv_regs.py)
+        # 168 registers a thread against 128, 6 programs an SM instead of 8 (benchmarks/diagnostics/gemv_regs.py)
         l_delta = tl.sum(l_h * l_b, axis=1)
     # explicit FMAs: the same sums whether or not the launch lets the compiler contract (ROPE's does not)
     acc = w.to(tl.float32) * x0.to(tl.float32)[None, :]
@@ -278,8 +277,8 @@ def _low_rank_args(term: LowRank | None, n: int, y: torch.Tensor) -> tuple[tuple
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles | None,
-            silu_mul: bool = False, rope: RopeKV | None = None,
-            low_rank: LowRank | None = None) -> torch.Tensor:
+            silu_mul: bool = False, rope: RopeKV | None = None, low_rank: LowRank | None = None,
+            pdl: bool = True) -> torch.Tensor:
     n, k = weight.shape
     t = tiles or tiles_for(n, k)
     y = torch.empty(1, n // 2 if silu_mul else n, device=x.device, dtype=x.dtype)
@@ -301,25 +300,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
                        # bits the compiler would otherwise narrow them to half-precision FMAs; and a
                        # low-rank term sums the same way in every epilogue form (tests compare them)
                        enable_fp_fusion=rope is None and low_rank is None,
-                       **pdl.launch(x.device, env=PDL))
+                       **pdl_launch(x.device, pdl))
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tiles | None = None, low_rank: LowRank | None = None) -> torch.Tensor:
+           tiles: Tiles | None = None, low_rank: LowRank | None = None, pdl: bool = True) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row: x [1, K] @ weight [N, K]^T -> [1, N].
 
     x: [1, K], contiguous in its last dim; weight: contiguous [N, K];
     bias: [N] or None; all one float16/bfloat16 dtype on one device. `tiles`: the launch
     shape (default `tiles_for`; benchmarks pass others).
-    `low_rank`: an adapter's term added in the epilogue (low_rank.LowRank says how)."""
+    `low_rank`: an adapter's term added in the epilogue (low_rank.LowRank says how). `pdl`: launch
+    early where the GPU can (KernelOptions.pdl)."""
     _check("linear", x, weight, bias)
     _check_low_rank("linear", low_rank, weight)
-    return _launch(x, weight, bias, tiles, low_rank=low_rank)
+    return _launch(x, weight, bias, tiles, low_rank=low_rank, pdl=pdl)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    tiles: Tiles | None = None, low_rank: LowRank | None = None) -> torch.Tensor:
+                    tiles: Tiles | None = None, low_rank: LowRank | None = None, pdl: bool = True) -> torch.Tensor:
     """fused.silu_and_mul(linear(x, weight, bias)) in one launch: weight [2I, K] is gate's rows
     then up's (the fused gate_up projection), the result [1, I]. Tiles need an even block_n.
     `low_rank`: an adapter's term, added to gate_up before the SiLU-mul."""
@@ -328,11 +328,11 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"skinny.linear_silu_mul: weight must have an even number of rows (gate | up), "
                          f"got {weight.shape[0]}")
     _check_low_rank("linear_silu_mul", low_rank, weight)
-    return _launch(x, weight, bias, tiles, silu_mul=True, low_rank=low_rank)
+    return _launch(x, weight, bias, tiles, silu_mul=True, low_rank=low_rank, pdl=pdl)
 
 
 def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: RopeKV,
-                   tiles: Tiles | None = None, low_rank: LowRank | None = None) -> torch.Tensor:
+                   tiles: Tiles | None = None, low_rank: LowRank | None = None, pdl: bool = True) -> torch.Tensor:
     """The qkv projection of one token with the rotary and the KV store as its epilogue, in one
     launch: linear(x, weight, bias) -> [1, (H + 2 Hkv) D] with q's and k's heads rotated at
     rope.positions (rotary.rotary_embedding's result, bit for bit) and v's as they are, and
@@ -362,4 +362,4 @@ def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             raise ValueError(f"skinny.linear_rope_kv: {name} must be int [1] on {x.device}, got {v.dtype} "
                              f"{tuple(v.shape)} on {v.device}")
     _check_low_rank("linear_rope_kv", low_rank, weight)
-    return _launch(x, weight, bias, tiles, rope=rope, low_rank=low_rank)
+    return _launch(x, weight, bias, tiles, rope=rope, low_rank=low_rank, pdl=pdl)

@@ -1,5 +1,5 @@
 """Whether Hopper's tensor memory accelerator can load tiles of these tensors (the Triton
-matmuls that take TMA descriptors: batch_invariant's and stream_k's)."""
+matmul that takes TMA descriptors: batch_invariant's)."""
 
 from __future__ import annotations
 

@@ -7,20 +7,22 @@ from __future__ import annotations
 import torch
 
 from rollout.distributed.tp import SINGLE, TensorParallel
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.config import ModelConfig
 from rollout.model.llama import LlamaModel
 
 
 def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel = SINGLE) -> LlamaModel:
-    """The model (with `tp`: this rank's shard of it), weights uninitialized."""
+                tp: TensorParallel = SINGLE, options: KernelOptions = DEFAULT_OPTIONS) -> LlamaModel:
+    """The model (with `tp`: this rank's shard of it), weights uninitialized; `options`: the
+    kernels its layers launch."""
     # Build directly in the target dtype on the target device: an 8B model built in fp32
     # on the CPU first would cost 32 GB and minutes.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaModel(cfg, max_positions, tp)
+            model = LlamaModel(cfg, max_positions, tp, options)
     finally:
         torch.set_default_dtype(previous)
     # rope tables stay float32 whatever the weights are

@@ -3,7 +3,8 @@
 q/k/v are one fused projection and gate/up another (one matmul each instead of three
 and two). Attention is delegated to the step's attention backend, which stores the new
 K/V into the paged pool and attends over each request's slots. The model sees a flat
-batch of tokens (`[num_tokens, ...]`); it knows nothing about requests.
+batch of tokens (`[num_tokens, ...]`); it knows nothing about requests. Which kernels its
+layers launch is the KernelOptions they were built with (rollout/kernels/options.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from rollout import kernels
 from rollout.distributed.tp import SINGLE, TensorParallel
 from rollout.kernels.low_rank import OneRow
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.config import ModelConfig
 from rollout.model.parallel import make_embedding
 
@@ -47,15 +49,18 @@ class LoraProjection(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, options: KernelOptions = DEFAULT_OPTIONS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.options = options
         self.rows_per_program: int | None = None  # fused kernel: None picks by the row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.use_fused(x):  # GPU: one Triton kernel, same op order as below
-            return kernels.fused.rms_norm(x, self.weight, self.eps, rows_per_program=self.rows_per_program)
+        options = self.options
+        if kernels.use_fused(x, options.fused):  # GPU: one Triton kernel, same op order as below
+            return kernels.fused.rms_norm(x, self.weight, self.eps, rows_per_program=self.rows_per_program,
+                                          pdl=options.pdl)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Same op order as transformers: normalize in fp32, cast back, then scale.
@@ -68,9 +73,10 @@ class RMSNorm(nn.Module):
                  delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm on GPU.
         `delta`: the projection's deferred adapter delta, added to x first (Linear.forward_deferred)."""
-        if kernels.use_fused(x):
+        options = self.options
+        if kernels.use_fused(x, options.fused):
             return kernels.fused.rms_norm(x, self.weight, self.eps, residual=residual,
-                                          rows_per_program=self.rows_per_program, delta=delta)
+                                          rows_per_program=self.rows_per_program, delta=delta, pdl=options.pdl)
         r = residual + with_delta(x, delta)
         return self(r), r
 
@@ -102,8 +108,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin tables for every position, computed once (rotate-half layout, as HF)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, options: KernelOptions = DEFAULT_OPTIONS) -> None:
         super().__init__()
+        self.fused = options.fused
+        self.pdl = options.pdl and options.pdl_rotary_attention
         inv_freq = rope_inv_freq(cfg)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
@@ -118,9 +126,10 @@ class Rotary(nn.Module):
         and v in the KV pool there (on GPU in the same launch: one kernel less a layer)."""
         if kv is not None and v is None:
             raise ValueError("storing K/V needs v")
-        if kernels.use_fused(q):  # GPU: one launch for q and k (and v's delta, the KV store), cos/sin gathered in-kernel
+        if kernels.use_fused(q, self.fused):  # GPU: one launch for q and k (and v's delta, the KV store), cos/sin gathered in-kernel
             store = {} if kv is None else dict(k_cache=kv.k_cache, v_cache=kv.v_cache, slots=kv.slots)
-            return kernels.rotary.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta, **store)
+            return kernels.rotary.rotary_embedding(q, k, self.cos, self.sin, positions, v=v, delta=delta, pdl=self.pdl,
+                                                   **store)
         if delta is not None:
             assert v is not None, "a qkv delta needs v"
             dq, dk, dv = delta.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
@@ -141,7 +150,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, options: KernelOptions = DEFAULT_OPTIONS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
@@ -150,7 +159,9 @@ class Linear(nn.Module):
         self.lora: LoraProjection | None = None
         # F.linear, or for a batch-1 decode's one row on GPU the skinny kernel (kernels.linear).
         # Deterministic mode swaps in a batch-invariant matmul (LlamaModel.make_batch_invariant).
+        # Called as matmul(x, weight, bias, options).
         self.matmul: Callable[..., torch.Tensor] = kernels.linear
+        self.options = options
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_deferred(x, defer=False)[0]  # the adapter's delta added to y in place
@@ -160,7 +171,7 @@ class Linear(nn.Module):
         (an adapter's term, launching its shrink now) in its launch, so the kernel after it may
         fold in too (kernels.linear_silu_mul / linear_rope_kv take the term); the caller then
         runs it, once. None: the matmul and the adapter's kernels run apart (forward_deferred)."""
-        if self.matmul is not kernels.linear or not kernels.one_row(x, self.weight):
+        if self.matmul is not kernels.linear or not kernels.one_row(x, self.weight, self.options):
             return None
         return OneRow() if self.lora is None else self.lora.one_row(x)
 
@@ -172,21 +183,21 @@ class Linear(nn.Module):
         `row`: what one_row(x) gave the caller, if it asked (its term is added here)."""
         lora = self.lora
         if lora is None and row is None:
-            return self.matmul(x, self.weight, self.bias), None
+            return self.matmul(x, self.weight, self.bias, self.options), None
         if row is None:
             row = self.one_row(x)
         if row is not None:  # one launch with the adapter's term (lora/hook.py one_row)
-            return kernels.linear(x, self.weight, self.bias, low_rank=row.term), None
+            return kernels.linear(x, self.weight, self.bias, self.options, low_rank=row.term), None
         assert lora is not None
         pending = lora.begin(x, defer)  # launched before the matmul, so it can overlap it
-        matmul = self.matmul
-        if pending is not None and matmul is kernels.linear and lora.concurrent:
+        if pending is not None and self.matmul is kernels.linear and lora.concurrent:
             # cuBLAS, not the skinny GEMV: launched early under PDL its thousands of programs took
             # every SM, so the adapter's kernels on the side stream waited for it (5.56 ms a batch-1
             # step against 4.98; BENCHMARKS.md multi-LoRA "session 8"). One row normally takes
-            # one_row above; this is its A/B (lora.pool.ONE_ROW_EPILOGUE = False).
-            matmul = F.linear
-        y = matmul(x, self.weight, self.bias)
+            # one_row above; this is its A/B (KernelOptions.lora_one_row_epilogue = False).
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.matmul(x, self.weight, self.bias, self.options)
         return y, lora.finish(pending, y)
 
 
@@ -199,17 +210,19 @@ def with_delta(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
 class Attention(nn.Module):
     """This rank's heads (all of them without TP): qkv column-parallel, o_proj row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.tp = tp
+        self.options = options
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, options=options)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, options=options)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, options)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, options)
         else:
             self.q_norm = self.k_norm = None
 
@@ -227,9 +240,9 @@ class Attention(nn.Module):
         proj = self.qkv_proj
         # batch 1 on GPU: the rotary and the K/V store as the qkv GEMV's epilogue (q/k norms
         # come between the two)
-        row = proj.one_row(x) if self.q_norm is None and kernels.rope_folds(kv) else None
+        row = proj.one_row(x) if self.q_norm is None and kernels.rope_folds(kv, self.options) else None
         qkv = kernels.linear_rope_kv(x, proj.weight, proj.bias, rotary.cos, rotary.sin, positions, kv, self.num_heads,
-                                     self.num_kv_heads, low_rank=row.term) if row is not None else None
+                                     self.num_kv_heads, self.options, low_rank=row.term) if row is not None else None
         if qkv is not None:
             q, k, v = self._heads(qkv)
         else:
@@ -248,23 +261,25 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """This rank's MLP columns: gate_up column-parallel, down_proj row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, options: KernelOptions = DEFAULT_OPTIONS) -> None:
         super().__init__()
         self.tp = tp
+        self.options = options
         self.intermediate_size = cfg.intermediate_size // tp.size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False, options=options)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False, options=options)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, down_proj's deferred adapter delta or None): the next norm adds the delta."""
-        up_proj = self.gate_up_proj
+        up_proj, options = self.gate_up_proj, self.options
         # batch 1 on GPU: SiLU-mul as the gate_up GEMV's epilogue (this rank's gate rows, then up's)
-        row = up_proj.one_row(x) if kernels.silu_folds(up_proj.weight) else None
-        act = kernels.linear_silu_mul(x, up_proj.weight, up_proj.bias, low_rank=row.term) if row is not None else None
+        row = up_proj.one_row(x) if kernels.silu_folds(up_proj.weight, options) else None
+        act = kernels.linear_silu_mul(x, up_proj.weight, up_proj.bias, options,
+                                      low_rank=row.term) if row is not None else None
         if act is None:
             gate_up, delta = up_proj.forward_deferred(x)  # [T, 2I/tp]
-            if kernels.use_fused(gate_up):  # GPU: one kernel instead of silu, then mul
-                act = kernels.fused.silu_and_mul(gate_up, delta=delta)
+            if kernels.use_fused(gate_up, options.fused):  # GPU: one kernel instead of silu, then mul
+                act = kernels.fused.silu_and_mul(gate_up, delta=delta, pdl=options.pdl)
             else:
                 gate, up = with_delta(gate_up, delta).split(self.intermediate_size, dim=-1)
                 act = F.silu(gate) * up
@@ -273,12 +288,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options)
+        self.self_attn = Attention(cfg, layer_id, tp, options)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options)
+        self.mlp = MLP(cfg, tp, options)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | None,
                 positions: torch.Tensor, rotary: Rotary,
@@ -299,18 +315,20 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """`config` is the whole model's shape; with `tp` (rollout/model/parallel.py) this
-    process holds one rank's shard of it."""
+    process holds one rank's shard of it; `options`: the kernels its layers launch."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
+        self.options = options
         self.embed_tokens = make_embedding(cfg, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, options) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options)
         vocab = cfg.vocab_size // tp.size
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
-        self.rotary = Rotary(cfg, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False, options=options)
+        self.rotary = Rotary(cfg, max_positions, options)
         self.matmul: Callable[..., torch.Tensor] = kernels.linear  # the lm_head's
 
     def make_batch_invariant(self) -> None:
@@ -344,4 +362,4 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # [R, vocab / tp] per rank -> [R, vocab], gathered in the model's dtype (half the bytes of fp32)
-        return self.tp.gather_last(self.matmul(hidden, weight)).float()
+        return self.tp.gather_last(self.matmul(hidden, weight, None, self.options)).float()

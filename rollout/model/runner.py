@@ -15,6 +15,7 @@ import torch
 from rollout.attention import shared_prefix
 from rollout.attention.base import AttentionBackend
 from rollout.device import to_device, upload
+from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.cuda_graph import DecodeGraphs
 from lora.segments import plan_segments
 from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
@@ -39,7 +40,7 @@ def _decode(req: Req, n: int) -> bool:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: AttentionBackend | None, table: torch.Tensor, device: torch.device,
-                 lora: LoraPool | None = None) -> None:
+                 lora: LoraPool | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> None:
         self.model = model
         self.backend = backend  # None until build.attach_backend (re-made on wake from sleep)
         self.lora = lora  # the adapter slots the model's projections read (None: LoRA off)
@@ -48,14 +49,16 @@ class ModelRunner:
         self.device = device
         self.graphs: DecodeGraphs | None = None
         # Verify steps as decode rows (see _prepare_rows) up to this many rows; None: up to
-        # the largest decode graph (any number without graphs); 0: never (benchmarks)
-        self.verify_rows_max: int | None = None
+        # the largest decode graph (any number without graphs); 0: never
+        # (KernelOptions.verify_rows_max, for benchmarks and tests)
+        self.verify_rows_max: int | None = options.verify_rows_max
         # Prefill chunks as decode rows too (see _prepare_rows), so a small prefill replays a
         # decode graph instead of ~20 eager launches a layer from the host, when the rows fit
         # the largest graph and their KV reads (each row re-reads its request's KV up to
         # itself) sum to at most this many tokens. None: EXTEND_ROWS_KV when decode graphs are
         # captured, else 0 (without a graph to replay, rows only add attention reads); 0: never.
-        self.extend_rows_kv: int | None = None
+        # (KernelOptions.extend_rows_kv, for benchmarks and tests)
+        self.extend_rows_kv: int | None = options.extend_rows_kv
         # Decode steps group rows that share a tree-owned KV prefix (n samples of a prompt) so
         # attention reads each prefix once per group, where the backend can (shared_prefix.py);
         # EngineConfig.shared_prefix_attention sets it before the graphs are captured (on, they

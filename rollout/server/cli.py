@@ -29,7 +29,8 @@ def _flag(name: str) -> str:
 
 def _engine_fields() -> list[tuple[str, Any]]:
     hints = typing.get_type_hints(EngineConfig)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+    # kernel_options: benchmarks' and tests' (a Python object), not a command-line option
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "kernel_options")]
 
 
 def _base_type(hint: Any) -> tuple[Any, bool]:

@@ -147,12 +147,13 @@ def test_a_token_is_the_same_in_every_block_and_split(request_kv) -> None:
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_backend_rows_alone_equal_rows_in_a_batch(path: str, monkeypatch) -> None:
+def test_backend_rows_alone_equal_rows_in_a_batch(path: str) -> None:
     """Through DeterministicAttention (plan + forward): a decode row and a prompt chunk, each
     alone in its step, equal the same rows in a step with other decodes and a prefill. The
     torch path (CPU) once failed this for a decode alone (MKL's batched GEMM, a permuted B)."""
     from rollout.attention.deterministic_backend import DeterministicAttention
     from rollout.cache.kv_pool import KVPool
+    from rollout.kernels.options import KernelOptions
     from rollout.model.forward_batch import ForwardBatch
 
     if path == "triton":
@@ -161,7 +162,6 @@ def test_backend_rows_alone_equal_rows_in_a_batch(path: str, monkeypatch) -> Non
         # the torch path is the CPU engine's; on CUDA the engine always takes the Triton kernel
         # (cuBLAS picks its fp32 algorithm by shape: not batch-invariant, as seen on the H200)
         pytest.skip("the deterministic torch path serves CPU engines only")
-    monkeypatch.setattr(deterministic_backend, "use_triton", path == "triton")
     heads, kv_heads, dim, _, dtype, _ = SHAPE
     if path == "torch":
         dtype = torch.float32
@@ -169,7 +169,7 @@ def test_backend_rows_alone_equal_rows_in_a_batch(path: str, monkeypatch) -> Non
     pool = KVPool(1, kv_heads, dim, 1024, 1, dtype, torch.device(DEVICE))
     pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=g))
     pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=g))
-    backend = DeterministicAttention(pool, heads, kv_heads, dim)
+    backend = DeterministicAttention(pool, heads, kv_heads, dim, KernelOptions(deterministic_triton=path == "triton"))
     # requests as (KV slots, new tokens): decodes over 130 and 7 slots, a chunk of 21 after 40 cached
     reqs = {"decode": (torch.arange(1, 131), 1), "short": (torch.arange(200, 207), 1), "chunk": (torch.arange(300, 361), 21)}
     q_of = {name: torch.randn(n, heads, dim, generator=g).to(DEVICE, dtype) for name, (_, n) in reqs.items()}

@@ -7,6 +7,8 @@ with CUDA the same tests run compiled."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,14 +16,16 @@ pytest.importorskip("triton", reason="triton is not installed; the batch-invaria
 
 from mma_dot import use_mma_dot  # noqa: E402
 from rollout.kernels import batch_invariant  # noqa: E402
+from rollout.kernels.options import KernelOptions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = KernelOptions(deterministic_triton=True)  # the Triton matmul, on CPU tensors too (interpreted)
 
 
 @pytest.fixture
-def triton_matmul(monkeypatch):
-    monkeypatch.setattr(batch_invariant, "use_triton", True)
+def triton_matmul(monkeypatch) -> KernelOptions:
     use_mma_dot(monkeypatch)  # the interpreter's tl.dot reduces like an MMA (tests/mma_dot.py)
+    return TRITON
 
 
 @pytest.mark.parametrize("k,n", [(64, 96), (72, 40)])
@@ -30,17 +34,17 @@ def test_triton_matmul_rows_do_not_depend_on_the_batch(triton_matmul, k: int, n:
     weight = torch.randn(n, k, generator=g).to(DEVICE)
     bias = torch.randn(n, generator=g).to(DEVICE)
     x = torch.randn(70, k, generator=g).to(DEVICE)
-    full = batch_invariant.linear(x, weight, bias)
+    full = batch_invariant.linear(x, weight, bias, triton_matmul)
     assert torch.allclose(full, x @ weight.T + bias, atol=1e-4)
     for m in (1, 5, 33):
-        assert torch.equal(batch_invariant.linear(x[:m], weight, bias), full[:m]), m
+        assert torch.equal(batch_invariant.linear(x[:m], weight, bias, triton_matmul), full[:m]), m
     other = torch.randn(70, k, generator=g).to(DEVICE)
     other[17] = x[3]
-    assert torch.equal(batch_invariant.linear(other, weight, bias)[17], full[3])
+    assert torch.equal(batch_invariant.linear(other, weight, bias, triton_matmul)[17], full[3])
 
 
 @pytest.mark.parametrize("k", [200, 448])
-def test_split_chunks_give_the_bits_of_one_program(triton_matmul, monkeypatch, k: int) -> None:
+def test_split_chunks_give_the_bits_of_one_program(triton_matmul, k: int) -> None:
     """K in chunks (the last one short): one program per chunk plus the ordered
     reduce must equal one program running the chunks in turn (its tiles loaded by pointers or
     by TMA descriptors), for every row count and with a bias; and all stay close to the plain
@@ -50,17 +54,18 @@ def test_split_chunks_give_the_bits_of_one_program(triton_matmul, monkeypatch, k
     bias = torch.randn(40, generator=g).to(DEVICE)
     x = torch.randn(37, k, generator=g).to(DEVICE)
     tile = batch_invariant.TileConfig
-    monkeypatch.setattr(batch_invariant, "config", tile(32, 32, 64, 4, 2, split=False, k_chunk=128))
-    full = batch_invariant.linear(x, weight, bias)
+
+    def tiles(c: batch_invariant.TileConfig) -> KernelOptions:
+        return replace(triton_matmul, batch_invariant_tiles=c)
+
+    full = batch_invariant.linear(x, weight, bias, tiles(tile(32, 32, 64, 4, 2, split=False, k_chunk=128)))
     assert torch.allclose(full, x @ weight.T + bias, atol=1e-4)
     for c in (tile(16, 16, 64, 4, 2, split=True, k_chunk=128), tile(16, 32, 64, 4, 2, split=False, k_chunk=128),
               tile(16, 32, 64, 4, 2, k_chunk=128, tma=True)):
-        monkeypatch.setattr(batch_invariant, "config", c)
         for m in (1, 5, 37):
-            assert torch.equal(batch_invariant.linear(x[:m], weight, bias), full[:m]), (c, m)
+            assert torch.equal(batch_invariant.linear(x[:m], weight, bias, tiles(c)), full[:m]), (c, m)
     with pytest.raises(ValueError, match="multiple of block_k"):
-        monkeypatch.setattr(batch_invariant, "config", tile(16, 16, 64, 4, 2, split=True, k_chunk=96))
-        batch_invariant.linear(x, weight)
+        batch_invariant.linear(x, weight, options=tiles(tile(16, 16, 64, 4, 2, split=True, k_chunk=96)))
 
 
 def test_rms_norm_one_row_per_program_is_batch_invariant() -> None:
@@ -77,7 +82,7 @@ def test_rms_norm_one_row_per_program_is_batch_invariant() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="a property of the GPU's MMA instructions (the interpreter's numpy dot is not them)")
-def test_every_tile_config_gives_the_same_bits(monkeypatch) -> None:
+def test_every_tile_config_gives_the_same_bits() -> None:
     """The row count picks the tiles (batch_invariant.config_for): safe only because every
     config with the same BLOCK_K and K_CHUNK reduces each output in the same order, bit for
     bit: the 16- and 32-row tiles (mma.sync) as the 64- and 128-row ones (Hopper's wgmma),
@@ -97,10 +102,9 @@ def test_every_tile_config_gives_the_same_bits(monkeypatch) -> None:
         x = torch.randn(300, k, generator=g, device=DEVICE).bfloat16()
         outs = []
         for c in configs:
-            monkeypatch.setattr(batch_invariant, "config", batch_invariant.TileConfig(*c))
-            outs.append(batch_invariant.linear(x, weight))
+            outs.append(batch_invariant.linear(x, weight, options=KernelOptions(
+                batch_invariant_tiles=batch_invariant.TileConfig(*c))))
         assert all(torch.equal(o, outs[0]) for o in outs), (k, n, [torch.equal(o, outs[0]) for o in outs])
-        monkeypatch.setattr(batch_invariant, "config", None)
         full = batch_invariant.linear(x, weight)  # 300 rows: 64- or 128-row tiles; up to 16 rows: 16-row ones
         for m in (1, 3, 16, 17, 64, 65):
             assert torch.equal(batch_invariant.linear(x[:m], weight), full[:m]), (k, n, m)

@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
 pytest.importorskip("triton", reason="triton is not installed")
 
-from rollout import kernels  # noqa: E402
 from rollout.kernels import finite  # noqa: E402
 from rollout.validate import first_non_finite  # noqa: E402
 
@@ -83,18 +82,17 @@ def test_mixed_dtypes_or_devices_are_refused():
 
 
 @pytest.mark.parametrize("through_kernel", [True, False])
-def test_first_non_finite_names_the_first_bad_tensor_across_groups(monkeypatch, through_kernel):
+def test_first_non_finite_names_the_first_bad_tensor_across_groups(through_kernel):
     # forced on for CPU tensors (the interpreter) or off for CUDA ones (the torch path)
-    monkeypatch.setattr(kernels, "enabled", through_kernel)
     tensors = [torch.randn(100, device=DEVICE).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float32,
                                                                        torch.float16, torch.bfloat16)]
-    assert first_non_finite(tensors) is None
+    assert first_non_finite(tensors, through_kernel) is None
     tensors[4][9] = float("inf")
-    assert first_non_finite(tensors) == 4
+    assert first_non_finite(tensors, through_kernel) == 4
     tensors[2][0] = float("nan")  # a group seen first, an index seen later: the smallest index wins
-    assert first_non_finite(tensors) == 2
+    assert first_non_finite(tensors, through_kernel) == 2
     tensors[1][99] = float("-inf")
-    assert first_non_finite(tensors) == 1
+    assert first_non_finite(tensors, through_kernel) == 1
 
 
 def test_first_non_finite_reaches_the_kernel_without_importing_it_first():
@@ -105,9 +103,9 @@ def test_first_non_finite_reaches_the_kernel_without_importing_it_first():
     # on CPU forced through the interpreter; on a GPU with CUDA tensors, as the engine does
     interpret = "os.environ.setdefault('TRITON_INTERPRET', '1')" if DEVICE == "cpu" else "pass"
     code = (f"import os, torch; {interpret}\n"
-            f"from rollout import kernels\nkernels.enabled = {True if DEVICE == 'cpu' else None}\n"
             "from rollout.validate import first_non_finite\n"
-            f"print(first_non_finite([torch.zeros(3, device='{DEVICE}'), torch.tensor([1.0, float('nan')], device='{DEVICE}')]))")
+            f"print(first_non_finite([torch.zeros(3, device='{DEVICE}'), torch.tensor([1.0, float('nan')], device='{DEVICE}')], "
+            f"fused={True if DEVICE == 'cpu' else None}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"

@@ -34,6 +34,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from rollout import kernels  # noqa: E402
 from rollout.kernels import fused, rotary  # noqa: E402
+from rollout.kernels.options import KernelOptions  # noqa: E402
 from rollout.model.config import ModelConfig  # noqa: E402
 from rollout.model.llama import LlamaModel, with_delta  # noqa: E402
 from ulp_checks import DEVICE, ON_GPU, assert_matches, poisoned_outputs  # noqa: E402
@@ -218,13 +219,15 @@ class _CausalAttention:
         return out.transpose(0, 1)
 
 
-def _tiny_model(arch: str, dtype: torch.dtype) -> LlamaModel:
+def _tiny_model(arch: str, dtype: torch.dtype, fused_on: bool) -> LlamaModel:
+    """The same weights every time; `fused_on`: the kernels (on CPU tensors too, interpreted)
+    or the torch path (on a GPU too)."""
     cfg = ModelConfig.from_dict({
         "architectures": [arch], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 160,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "rms_norm_eps": EPS, "rope_theta": 10000.0, "tie_word_embeddings": False,
     })
-    model = LlamaModel(cfg, max_positions=256)
+    model = LlamaModel(cfg, max_positions=256, options=KernelOptions(fused=fused_on))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -236,8 +239,7 @@ def _tiny_model(arch: str, dtype: torch.dtype) -> LlamaModel:
     return model
 
 
-def _forward(model: LlamaModel, fused_on: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    monkeypatch.setattr(kernels, "enabled", fused_on)
+def _forward(model: LlamaModel) -> torch.Tensor:
     ids = torch.arange(11, device=DEVICE) * 7 % model.config.vocab_size
     positions = torch.arange(11, device=DEVICE) + 3
     with torch.inference_mode():
@@ -247,7 +249,6 @@ def _forward(model: LlamaModel, fused_on: bool, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_model_forward_fused_matches_torch(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Llama: plain; Qwen2: qkv bias; Qwen3: q/k norm on strided [T, H, D] views.
-    model = _tiny_model(arch, torch.float32)
     calls: dict[str, int] = {}
     for module, name in ((fused, "rms_norm"), (fused, "silu_and_mul"), (rotary, "rotary_embedding")):
         real: Callable[..., object] = getattr(module, name)
@@ -257,17 +258,17 @@ def test_model_forward_fused_matches_torch(arch: str, monkeypatch: pytest.Monkey
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
-    ref = _forward(model, False, monkeypatch)
+    ref = _forward(_tiny_model(arch, torch.float32, False))
     assert not calls, "the torch path must not call the kernels"
-    got = _forward(model, True, monkeypatch)
+    model = _tiny_model(arch, torch.float32, True)
+    got = _forward(model)
     layers = model.config.num_layers
     norms = 2 * layers + 1 + (2 * layers if model.config.qk_norm else 0)
     assert calls == {"rms_norm": norms, "silu_and_mul": layers, "rotary_embedding": layers}
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_path_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "enabled", None)
+def test_cpu_path_is_the_default() -> None:
     assert not kernels.use_fused(torch.zeros(2))  # CPU tensors: the torch path
     assert kernels.use_fused(torch.zeros(2, device=DEVICE)) == ON_GPU
     assert not kernels.use_fused(torch.zeros(2, dtype=torch.float64, device=DEVICE))  # unsupported dtype
@@ -277,9 +278,8 @@ def test_cpu_path_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_model_forward_fused_bf16_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # bf16: the kernels round where torch rounds, so only rare 1-ulp flips separate the two
     # paths; over two layers these stay at the bf16 noise level.
-    model = _tiny_model("Qwen3ForCausalLM", torch.bfloat16)
-    ref = _forward(model, False, monkeypatch).float()
-    got = _forward(model, True, monkeypatch).float()
+    ref = _forward(_tiny_model("Qwen3ForCausalLM", torch.bfloat16, False)).float()
+    got = _forward(_tiny_model("Qwen3ForCausalLM", torch.bfloat16, True)).float()
     torch.testing.assert_close(got, ref, rtol=5e-2, atol=5e-2)
 
 

@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
 pytest.importorskip("triton", reason="triton is not installed")
 
-from rollout import kernels  # noqa: E402
 from rollout.cache.kv_pool import KVPool  # noqa: E402
 from rollout.kernels import kv_copy  # noqa: E402
+from rollout.kernels.options import KernelOptions  # noqa: E402
 from ulp_checks import DEVICE  # noqa: E402
 
 
@@ -65,8 +65,8 @@ def test_pool_copy_slots_takes_the_kernel_and_equals_the_torch_path(monkeypatch:
     """KVPool.copy_slots on the fused path (the kernel) and on the torch path give one result."""
     pools = []
     for fused in (True, False):
-        monkeypatch.setattr(kernels, "enabled", fused)
-        pool = KVPool(3, 2, 4, max_total_tokens=64, page_size=16, dtype=torch.float16, device=DEVICE)
+        pool = KVPool(3, 2, 4, max_total_tokens=64, page_size=16, dtype=torch.float16, device=DEVICE,
+                      options=KernelOptions(fused=fused))
         for layer in range(3):
             g = torch.Generator().manual_seed(layer)
             k, v = (torch.randn(pool.num_slots, 2, 4, generator=g).half().to(DEVICE) for _ in range(2))

@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
 pytest.importorskip("triton", reason="triton is not installed")
 
-from rollout import kernels  # noqa: E402
 from rollout.kernels import race  # noqa: E402
 from rollout.sampling import SamplingBatch, sample, uniform_noise  # noqa: E402
 
@@ -77,7 +76,7 @@ def test_refuses_bad_shapes() -> None:
     assert race.race_argmax(scores[:0], seeds[:0], positions[:0]).shape == (0,)
 
 
-def test_sampler_through_the_kernel_equals_the_torch_path(monkeypatch) -> None:
+def test_sampler_through_the_kernel_equals_the_torch_path() -> None:
     """sample() with the race on the kernel and on torch: the same tokens and log-probs, for
     sampled rows (temperature, min-p, top-k) beside greedy ones and with top log-probs."""
     from rollout.request import Req, SamplingParams
@@ -91,9 +90,8 @@ def test_sampler_through_the_kernel_equals_the_torch_path(monkeypatch) -> None:
     reqs = [Req(rid=str(i), prompt_ids=[1, 2, 3 + i], params=p, seed=100 + i) for i, p in enumerate(params)]
     outs = {}
     for fused in (True, False):
-        monkeypatch.setattr(kernels, "enabled", fused)
         sb = SamplingBatch.from_reqs(reqs, vocab, DEVICE)
-        outs[fused] = sample(logits.clone(), sb)
+        outs[fused] = sample(logits.clone(), sb, fused=fused)
     a, b = outs[True], outs[False]
     assert torch.equal(a.token_ids, b.token_ids)
     assert torch.equal(a.raw_logprobs, b.raw_logprobs) and torch.equal(a.processed_logprobs, b.processed_logprobs)

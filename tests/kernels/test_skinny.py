@@ -10,6 +10,7 @@ programs and K steps run.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ pytest.importorskip("triton", reason="triton is not installed")
 from rollout import kernels  # noqa: E402
 from rollout.kernels import skinny  # noqa: E402
 from rollout.kernels.low_rank import OneRow  # noqa: E402
+from rollout.kernels.options import KernelOptions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEVICE == "cuda"
+FUSED = KernelOptions(fused=None if GPU else True)  # on CPU: CPU tensors routed as CUDA ones (interpreter)
 # (N, K): K a multiple of the tile and not, and shorter than one; N past the last row block
 SHAPES = [(40, 96), (64, 256), (7, 33), (17, 200), (48, 128), (24, 16)]
 SMALL = [skinny.Tiles(16, 32, 4), skinny.Tiles(4, 64, 2, 2)]  # interpreter-sized: several programs, K steps
@@ -90,8 +93,6 @@ def spy(monkeypatch):
     calls = []
     real = skinny.linear
     monkeypatch.setattr(skinny, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    if not GPU:
-        monkeypatch.setattr(kernels, "enabled", True)  # route CPU tensors as CUDA ones (interpreter)
     return calls
 
 
@@ -101,22 +102,22 @@ def test_dispatch_takes_one_16_bit_row_only(spy, monkeypatch):
     monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
     x, w, b = _case(3, 24, 64, torch.float16, True)
     for dtype in DTYPES:
-        _check(kernels.linear(x[:1].to(dtype), w.to(dtype), b.to(dtype)), x[:1].to(dtype), w.to(dtype), b.to(dtype))
+        _check(kernels.linear(x[:1].to(dtype), w.to(dtype), b.to(dtype), FUSED), x[:1].to(dtype), w.to(dtype),
+               b.to(dtype))
     assert spy == [1, 1]
-    _check(kernels.linear(x, w, b), x, w, b)  # 3 rows: F.linear
-    kernels.linear(x[:1].float(), w.float(), b.float())  # fp32: cuBLAS (or the CPU's matmul)
-    kernels.linear(x[:1], w.t().contiguous().t(), b)  # a strided weight
+    _check(kernels.linear(x, w, b, FUSED), x, w, b)  # 3 rows: F.linear
+    kernels.linear(x[:1].float(), w.float(), b.float(), FUSED)  # fp32: cuBLAS (or the CPU's matmul)
+    kernels.linear(x[:1], w.t().contiguous().t(), b, FUSED)  # a strided weight
     strided = x.new_zeros(1, 2 * x.shape[1])[:, ::2]  # x strided in its last dim
     strided.copy_(x[:1])
-    _check(kernels.linear(strided, w, b), x[:1], w, b)
-    monkeypatch.setattr(kernels, "skinny_matmul", False)  # off
-    kernels.linear(x[:1], w, b)
+    _check(kernels.linear(strided, w, b, FUSED), x[:1], w, b)
+    kernels.linear(x[:1], w, b, replace(FUSED, skinny_matmul=False))  # off
     assert spy == [1, 1]
 
 
 def test_dispatch_leaves_the_cpu_path_alone(monkeypatch):
-    """Unforced, CPU tensors never reach the kernel (and never import triton through it)."""
-    monkeypatch.setattr(kernels, "enabled", None)
+    """Unforced (the default options), CPU tensors never reach the kernel (and never import
+    triton through it)."""
     monkeypatch.setattr(skinny, "linear", lambda *a, **kw: pytest.fail("skinny kernel on the CPU path"))
     x, w, b = (t.cpu() for t in _case(1, 24, 64, torch.float16, True))
     assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
@@ -130,15 +131,16 @@ def test_model_logits_with_and_without_the_kernel(monkeypatch):
     from rollout.model.shapes import SHAPES
 
     cfg = ModelConfig.from_dict(SHAPES["tiny"])
-    model = build_model(cfg, 64, torch.bfloat16, torch.device("cuda"))
+    model, cublas = (build_model(cfg, 64, torch.bfloat16, torch.device("cuda"), options=KernelOptions(skinny_matmul=on))
+                     for on in (True, False))
     init_random_weights(model, seed=0)
+    init_random_weights(cublas, seed=0)
     h = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     calls = []
     real = skinny.linear
     monkeypatch.setattr(skinny, "linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with_kernel = model.logits(h)
-    monkeypatch.setattr(kernels, "skinny_matmul", False)
-    ref = model.logits(h)
+    ref = cublas.logits(h)
     assert calls == [1] and (with_kernel - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
@@ -193,17 +195,23 @@ class _Apart(_NoDelta):
         return None
 
 
-def _tiny_fp16_layer(monkeypatch, watched) -> tuple:
-    """(the tiny model in fp16 with interpreter-sized GEMV tiles, its layer 0, its config, the
-    list that each call of the `watched` (module, name) kernels appends its name to)."""
+def _tiny_fp16_model(options: KernelOptions = FUSED):
+    """The tiny model in fp16 (the same weights every time), built with `options`."""
     from rollout.model.build import build_model, init_random_weights
     from rollout.model.config import ModelConfig
     from rollout.model.shapes import SHAPES as MODEL_SHAPES
 
-    monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
     cfg = ModelConfig.from_dict(MODEL_SHAPES["tiny"])
-    model = build_model(cfg, 64, torch.float16, torch.device(DEVICE))
+    model = build_model(cfg, 64, torch.float16, torch.device(DEVICE), options=options)
     init_random_weights(model, seed=0)
+    return model, cfg
+
+
+def _tiny_fp16_layer(monkeypatch, watched) -> tuple:
+    """(the tiny model in fp16 with interpreter-sized GEMV tiles, its layer 0, its config, the
+    list that each call of the `watched` (module, name) kernels appends its name to)."""
+    monkeypatch.setattr(skinny, "tiles_for", lambda n, k: SMALL[0])  # interpreter-sized
+    model, cfg = _tiny_fp16_model()
     launched: list[str] = []
     for mod, name in watched:
         real = getattr(mod, name)
@@ -220,9 +228,10 @@ def test_the_mlp_runs_silu_mul_in_the_gate_up_gemv(spy, monkeypatch):
 
     _, layer, cfg, launched = _tiny_fp16_layer(monkeypatch, ((fused, "silu_and_mul"), (skinny, "linear_silu_mul")))
     mlp = layer.mlp
+    apart = _tiny_fp16_model(replace(FUSED, silu_epilogue=False))[0].layers[0].mlp  # the same weights
     x = _case(2, 8, cfg.hidden_size, torch.float16, False, seed=7)[0]
 
-    def run(rows: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    def run(rows: torch.Tensor, mlp=mlp) -> tuple[torch.Tensor, list[str]]:
         launched.clear()
         with torch.inference_mode():
             out, delta = mlp(rows)
@@ -231,10 +240,8 @@ def test_the_mlp_runs_silu_mul_in_the_gate_up_gemv(spy, monkeypatch):
 
     out, kernels_run = run(x[:1])
     assert kernels_run == ["linear_silu_mul"]
-    monkeypatch.setattr(kernels, "silu_epilogue", False)
-    ref, kernels_run = run(x[:1])
+    ref, kernels_run = run(x[:1], apart)  # the epilogue off
     assert kernels_run == ["silu_and_mul"] and torch.equal(out, ref)
-    monkeypatch.setattr(kernels, "silu_epilogue", True)
     assert run(x)[1] == ["silu_and_mul"]  # two rows: cuBLAS (here the CPU's matmul), then the kernel
     mlp.gate_up_proj.lora = _Apart()
     assert run(x[:1])[1] == ["silu_and_mul"]
@@ -348,31 +355,31 @@ def test_attention_runs_the_rotary_in_the_qkv_gemv(spy, monkeypatch):
     model, layer, cfg, launched = _tiny_fp16_layer(monkeypatch, ((rotary, "rotary_embedding"),
                                                                  (skinny, "linear_rope_kv")))
     attn = layer.self_attn
+    apart, _ = _tiny_fp16_model(replace(FUSED, rope_epilogue=False))  # the same weights
     x = _case(2, 8, cfg.hidden_size, torch.float16, False, seed=7)[0]
     positions = torch.tensor([11, 12], device=DEVICE)
 
-    def run(rows: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[str]]:
+    def run(rows: int, model=model) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[str]]:
         launched.clear()
-        backend = _PoolBackend(attn.num_kv_heads, attn.head_dim, torch.float16, rows)
+        attention = model.layers[0].self_attn
+        backend = _PoolBackend(attention.num_kv_heads, attention.head_dim, torch.float16, rows)
         with torch.inference_mode():
-            out, delta = attn(x[:rows], positions[:rows], model.rotary, backend)
+            out, delta = attention(x[:rows], positions[:rows], model.rotary, backend)
         assert delta is None and backend.stored == [True]
         return out, (backend.target.k_cache, backend.target.v_cache), list(launched)
 
     out, pool, kernels_run = run(1)
     assert kernels_run == ["linear_rope_kv"]
-    monkeypatch.setattr(kernels, "rope_epilogue", False)
-    ref, ref_pool, kernels_run = run(1)
+    ref, ref_pool, kernels_run = run(1, apart)  # the epilogue off
     assert kernels_run == ["rotary_embedding"] and torch.equal(out, ref)
     assert torch.equal(pool[0], ref_pool[0]) and torch.equal(pool[1], ref_pool[1])
-    monkeypatch.setattr(kernels, "rope_epilogue", True)
     assert run(2)[2] == ["rotary_embedding"]  # two rows: the matmul, then the rotary
     attn.qkv_proj.lora = _Apart()
     assert run(1)[2] == ["rotary_embedding"]
     attn.qkv_proj.lora = _NoDelta()
     assert run(1)[2] == ["linear_rope_kv"]
     attn.qkv_proj.lora = None
-    attn.q_norm = attn.k_norm = layer.input_layernorm.__class__(attn.head_dim, 1e-6).to(DEVICE, torch.float16)
+    attn.q_norm = attn.k_norm = layer.input_layernorm.__class__(attn.head_dim, 1e-6, FUSED).to(DEVICE, torch.float16)
     assert run(1)[2] == ["rotary_embedding"]
 
 
@@ -395,13 +402,13 @@ class _AdapterBeside:
 
 def test_a_projection_leaves_the_sms_to_adapter_kernels_beside_it(spy):
     """One row with an adapter's kernels on the side stream (the halves apart,
-    lora.pool.ONE_ROW_EPILOGUE = False): cuBLAS (F.linear), not the skinny GEMV, which launched
+    KernelOptions.lora_one_row_epilogue = False): cuBLAS (F.linear), not the skinny GEMV, which launched
     early would hold every SM first. In order, or with no adapter in the step: the GEMV as
     always. The same output every way, within the matmuls' rounding."""
     from rollout.model.llama import Linear
 
     x, w, b = _case(1, 24, 64, torch.float16, True)
-    proj = Linear(64, 24, bias=True).to(DEVICE, torch.float16)
+    proj = Linear(64, 24, bias=True, options=FUSED).to(DEVICE, torch.float16)
     with torch.no_grad():
         proj.weight.copy_(w)
         proj.bias.copy_(b)

@@ -8,6 +8,7 @@ deltas (GPU). The peft comparison of the engine with deferral on is in test_engi
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from lora import hook as lora_hook
 from lora.pool import LoraPool
 from lora.segments import plan_segments
 from rollout import kernels
+from rollout.kernels.options import KernelOptions
 from rollout.model.config import ModelConfig
 from rollout.model.forward_batch import LoraInputs
 from rollout.model.llama import LlamaModel
@@ -42,13 +44,15 @@ class _CausalAttention:
         return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True).transpose(0, 1)
 
 
-def _model(arch: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, LoraPool]:
+def _model(arch: str, dtype: torch.dtype, device: torch.device,
+           options: KernelOptions = KernelOptions()) -> tuple[LlamaModel, LoraPool]:
+    """The same model and adapters every time, its layers and pool built with `options`."""
     cfg = ModelConfig.from_dict({
         "architectures": [arch], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 160,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
     })
-    model = LlamaModel(cfg, max_positions=256)
+    model = LlamaModel(cfg, max_positions=256, options=options)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -56,7 +60,7 @@ def _model(arch: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaMo
     model.to(device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
-    pool = LoraPool(cfg, 3, 8, MODULES, dtype, device)
+    pool = LoraPool(cfg, 3, 8, MODULES, dtype, device, options=options)
     for t in (*pool.a_stack.values(), *pool.b_stack.values()):
         t.copy_(torch.randn(t.shape, generator=g) * 0.3)
     pool.slot_ranks.copy_(torch.tensor([8, 4, 0], dtype=torch.int32))
@@ -95,22 +99,23 @@ def deferrals(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 SLOTS = [0, -1, 1, 2, 0, 1, -1]  # two adapters, base rows and an empty slot (rank 0)
 
 
-def _both(model: LlamaModel, pool: LoraPool, device: torch.device, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    pool.plan(_inputs(slots, device), active=True)
-    pool.defer_eager = False
-    in_place = _forward(model, device, len(slots))
-    pool.defer_eager = True
-    deferred = _forward(model, device, len(slots))
-    pool.defer_eager = False
-    return in_place, deferred
+def _both(arch: str, dtype: torch.dtype, device: torch.device, slots: list[int],
+          options: KernelOptions = KernelOptions()) -> tuple[LlamaModel, LoraPool, torch.Tensor, torch.Tensor]:
+    """The model's output with the in-place expand and with deferred deltas (two builds of the
+    same model, defer_eager off and on), and the deferring build."""
+    outs = []
+    for eager in (False, True):
+        model, pool = _model(arch, dtype, device, replace(options, lora_defer_eager=eager))
+        pool.plan(_inputs(slots, device), active=True)
+        outs.append(_forward(model, device, len(slots)))
+    return model, pool, outs[0], outs[1]
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_torch_path_deferred_is_bit_equal_to_in_place(arch: str, deferrals: list[int]) -> None:
     # Qwen2: qkv bias; Qwen3: q/k norms before the rotary, so its qkv delta is not deferred
     device = torch.device("cpu")
-    model, pool = _model(arch, torch.float32, device)
-    in_place, deferred = _both(model, pool, device, SLOTS)
+    model, pool, in_place, deferred = _both(arch, torch.float32, device, SLOTS)
     per_layer = 3 if model.config.qk_norm else 4
     assert len(deferrals) == per_layer * model.config.num_layers
     assert torch.equal(in_place, deferred)
@@ -122,12 +127,9 @@ def test_torch_path_deferred_is_bit_equal_to_in_place(arch: str, deferrals: list
 def test_fused_and_sgmv_kernels_deferred_is_bit_equal_to_in_place(monkeypatch: pytest.MonkeyPatch,
                                                                  deferrals: list[int]) -> None:
     pytest.importorskip("triton", reason="triton is not installed")
-    from lora import ops
-
-    monkeypatch.setattr(kernels, "enabled", True)  # the fused kernels on CPU tensors (interpreter)
-    monkeypatch.setattr(ops, "enabled", True)  # and the SGMV kernels
+    # the fused kernels and the SGMV kernels on CPU tensors (interpreter)
+    options = KernelOptions(fused=True, lora_triton=True)
     device = torch.device("cpu")
-    model, pool = _model("LlamaForCausalLM", torch.float16, device)  # the interpreter has no bf16 dot
     calls: dict[str, int] = {}
     for module, name in ((kernels.fused, "rms_norm"), (kernels.fused, "silu_and_mul"),
                          (kernels.rotary, "rotary_embedding")):
@@ -138,7 +140,8 @@ def test_fused_and_sgmv_kernels_deferred_is_bit_equal_to_in_place(monkeypatch: p
             return _real(*args, **kw)
 
         monkeypatch.setattr(module, name, with_delta_counted)
-    in_place, deferred = _both(model, pool, device, SLOTS)
+    # fp16: the interpreter has no bf16 dot
+    model, _, in_place, deferred = _both("LlamaForCausalLM", torch.float16, device, SLOTS, options)
     layers = model.config.num_layers
     assert len(deferrals) == 4 * layers
     # each layer's two norms, the final norm (down's delta of the last layer), SiLU-mul, rotary
@@ -151,10 +154,14 @@ def test_only_small_batches_defer_and_only_where_a_delta_is_taken(deferrals: lis
     model, pool = _model("LlamaForCausalLM", torch.float32, device)
     pool.plan(_inputs(SLOTS, device), active=True)
     assert not pool.defers(1), "outside a graph's side stream nothing defers by default"
-    pool.defer_eager, pool.defer_max_rows = True, len(SLOTS) - 1
+    model, pool = _model("LlamaForCausalLM", torch.float32, device,
+                         KernelOptions(lora_defer_eager=True, lora_defer_max_rows=len(SLOTS) - 1))
+    pool.plan(_inputs(SLOTS, device), active=True)
     _forward(model, device, len(SLOTS))
     assert deferrals == []  # past defer_max_rows: the in-place expand
-    pool.defer_max_rows = len(SLOTS)
+    model, pool = _model("LlamaForCausalLM", torch.float32, device,
+                         KernelOptions(lora_defer_eager=True, lora_defer_max_rows=len(SLOTS)))
+    pool.plan(_inputs(SLOTS, device), active=True)
     _forward(model, device, len(SLOTS))
     assert deferrals == [len(SLOTS)] * (4 * model.config.num_layers)
     deferrals.clear()

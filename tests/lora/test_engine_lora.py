@@ -14,6 +14,7 @@ from conftest import TinyModel, make_prompts
 
 from lora.hook import LoraHook
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.kernels.options import KernelOptions
 from weightsync import iter_hf_weights
 
 peft = pytest.importorskip("peft")
@@ -56,8 +57,8 @@ def test_mixed_batch_matches_peft(llama: TinyModel, ref: PeftRef, page_size: int
 def test_prefill_as_decode_rows_matches_peft(llama: TinyModel, ref: PeftRef, page_size: int) -> None:
     """Prefill chunks laid out as decode rows (what a GPU replays in a decode graph: runner
     extend_rows_kv), forced on CPU: each adapter's rows form one segment, as in the extend layout."""
-    engine = _engine(llama, ref, page_size=page_size, max_prefill_tokens=16)
-    engine.runner.extend_rows_kv = 1 << 30
+    engine = _engine(llama, ref, page_size=page_size, max_prefill_tokens=16,
+                     kernel_options=KernelOptions(extend_rows_kv=1 << 30))
     rows: list[int] = []
     inner = engine.runner._prepare_rows
     engine.runner._prepare_rows = lambda batch: rows.append(1) or inner(batch)  # type: ignore[method-assign]
@@ -73,9 +74,7 @@ def test_prefill_as_decode_rows_matches_peft(llama: TinyModel, ref: PeftRef, pag
 def test_deferred_deltas_match_peft(llama: TinyModel, ref: PeftRef, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer-added adapter deltas (lora/hook.py; on a GPU, decode graphs of up to
     LoraPool.defer_max_rows rows) forced on for every step, prefill included."""
-    engine = _engine(llama, ref)
-    pool = engine.lora.pool  # type: ignore[union-attr]
-    pool.defer_eager, pool.defer_max_rows = True, 1 << 20
+    engine = _engine(llama, ref, kernel_options=KernelOptions(lora_defer_eager=True, lora_defer_max_rows=1 << 20))
     deferred: list[int] = []
     real = LoraHook._deferred
     monkeypatch.setattr(LoraHook, "_deferred", lambda self, x, args: deferred.append(1) or real(self, x, args))

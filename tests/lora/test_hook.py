@@ -11,6 +11,7 @@ import torch
 
 from lora.pool import LoraPool
 from lora.segments import plan_segments
+from rollout.kernels.options import KernelOptions
 from rollout.model.config import ModelConfig
 from rollout.model.forward_batch import LoraInputs
 from rollout.model.llama import Linear
@@ -27,15 +28,15 @@ def _inputs(slots: list[int], device: torch.device, num_slots: int) -> LoraInput
     return LoraInputs(t(plan.row_ids), t(plan.seg_indptr), t(plan.seg_slots), plan.num_lora_rows)
 
 
-def _setup(device: torch.device, dtype: torch.dtype = torch.float32):
+def _setup(device: torch.device, dtype: torch.dtype = torch.float32, options: KernelOptions = KernelOptions()):
     torch.manual_seed(0)
-    pool = LoraPool(MODEL, 3, 8, MODULES, dtype, device)
+    pool = LoraPool(MODEL, 3, 8, MODULES, dtype, device, options=options)
     for t in (*pool.a_stack.values(), *pool.b_stack.values()):
         t.copy_(torch.randn(t.shape) * 0.1)
     pool.slot_ranks.copy_(torch.tensor([8, 4, 0], dtype=torch.int32))
     layers = {}
     for name, (fan_in, fan_out) in SIZES.items():
-        linear = Linear(fan_in, fan_out, bias=False).to(device)
+        linear = Linear(fan_in, fan_out, bias=False, options=options).to(device)
         linear.weight.data = (torch.randn(fan_out, fan_in) / fan_in**0.5).to(device, dtype)
         linear.lora = pool.hook(0, name)
         layers[name] = linear
@@ -60,7 +61,7 @@ def test_linear_calls_begin_before_and_finish_after_its_matmul() -> None:
 
     linear = Linear(4, 3, bias=False)
     linear.weight.data = torch.ones(3, 4)
-    linear.matmul = lambda x, w, b: calls.append("matmul") or torch.nn.functional.linear(x, w, b)
+    linear.matmul = lambda x, w, b, options: calls.append("matmul") or torch.nn.functional.linear(x, w, b)
     linear.lora = Recorder()
     y = linear(torch.ones(2, 4))
     assert calls == ["begin", "matmul", ("finish", 8.0)] and torch.equal(y, torch.full((2, 3), 5.0))
@@ -141,16 +142,14 @@ def test_pdl_is_off_off_cuda() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs CUDA")
-def test_expand_with_and_without_pdl_agree_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lora.kernels import sgmv
-
+def test_expand_with_and_without_pdl_agree_bitwise() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    pool, layers = _setup(device, torch.bfloat16)
-    xs = {name: torch.randn(9, fan_in, device=device, dtype=torch.bfloat16) for name, (fan_in, _) in SIZES.items()}
-    pool.plan(_inputs([2, 0, -1, 1, 0, 0, 1, -1, 0], device, 3), active=True)
     outs = {}
-    with torch.inference_mode():
-        for pdl in (True, False):
-            monkeypatch.setattr(sgmv, "_PDL_ENV", pdl)
+    for pdl in (True, False):
+        pool, layers = _setup(device, torch.bfloat16, KernelOptions(lora_pdl=pdl))  # the same weights
+        xs = {name: torch.randn(9, fan_in, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+              for name, (fan_in, _) in SIZES.items()}
+        pool.plan(_inputs([2, 0, -1, 1, 0, 0, 1, -1, 0], device, 3), active=True)
+        with torch.inference_mode():
             outs[pdl] = _forward(layers, xs)
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))

@@ -12,6 +12,7 @@ adapter. The epilogue's own arithmetic is in tests/kernels/test_skinny.py.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +23,8 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from lora import ops  # noqa: E402
 from lora.kernels import row  # noqa: E402
-from rollout import kernels  # noqa: E402
 from rollout.kernels.low_rank import MAX_SPLIT  # noqa: E402
+from rollout.kernels.options import KernelOptions  # noqa: E402
 
 from tests.lora.test_deferred import _forward, _inputs, _model  # noqa: E402
 
@@ -33,11 +34,9 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 
 
 @pytest.fixture
-def kernels_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def kernels_on() -> KernelOptions:
     """The fused, skinny and LoRA kernels on CPU tensors too (the interpreter)."""
-    if not ON_GPU:
-        monkeypatch.setattr(kernels, "enabled", True)
-        monkeypatch.setattr(ops, "enabled", True)
+    return KernelOptions() if ON_GPU else KernelOptions(fused=True, lora_triton=True)
 
 
 def _shrink_case(k: int, num_slices: int, max_rank: int, seed: int):
@@ -57,7 +56,7 @@ def test_shrink_row_matches_the_reference_where_it_must_write(kernels_on, k, num
     x, a, ranks = _shrink_case(k, num_slices, max_rank, seed=k)
     for slot in (0, 1):
         s = torch.tensor([slot], dtype=torch.int32, device=DEVICE)
-        h = ops.shrink_row(x, a, s, ranks, num_slices=num_slices, max_rank=max_rank)
+        h = ops.shrink_row(x, a, s, ranks, num_slices=num_slices, max_rank=max_rank, options=kernels_on)
         ref = ops.shrink_row_reference(x, a, s, ranks, num_slices=num_slices, max_rank=max_rank)
         assert h.dim() == 2 and h.shape[1] == num_slices * max_rank and ref.shape == (1, h.shape[1])
         assert ON_GPU or k <= row.INTERPRETER_BLOCK_K or h.shape[0] > 1, "the interpreter run should split K"
@@ -76,7 +75,7 @@ def test_shrink_row_leaves_h_alone_without_an_adapter(kernels_on, monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *s, **kw: real_empty(*s, **kw).fill_(float("nan")))
     for slot in (-1, 2):
         h = ops.shrink_row(x, a, torch.tensor([slot], dtype=torch.int32, device=DEVICE), ranks, num_slices=3,
-                           max_rank=8)
+                           max_rank=8, options=kernels_on)
         assert torch.isnan(h).all(), slot
 
 
@@ -152,7 +151,9 @@ def test_one_token_forward_takes_the_epilogue_and_matches_the_halves_apart(kerne
     rotary epilogues with the term; the output within the roundings of the in-place expand's
     (which peft checks); a base row and a rank-0 slot bit-equal to the step without adapters."""
     _tiny_tiles(monkeypatch)
-    model, pool = _model("LlamaForCausalLM", DTYPE, DEVICE)
+    model, pool = _model("LlamaForCausalLM", DTYPE, DEVICE, kernels_on)
+    # the same model and adapters with the halves apart (the epilogue off)
+    apart_model, apart_pool = _model("LlamaForCausalLM", DTYPE, DEVICE, replace(kernels_on, lora_one_row_epilogue=False))
     backend = lambda: _PoolAttention(model.config.num_kv_heads, model.config.head_dim)  # noqa: E731
     layers = model.config.num_layers
     pool.plan(None, active=False)
@@ -165,10 +166,9 @@ def test_one_token_forward_takes_the_epilogue_and_matches_the_halves_apart(kerne
         per_layer = ["shrink_row", "linear_rope_kv+term", "shrink_row", "shrink_row", "linear_silu_mul+term",
                      "shrink_row"]
         assert launched == per_layer * layers, slot
-        pool.one_row_epilogue = False
+        apart_pool.plan(_inputs([slot], DEVICE), active=True)
         launched.clear()
-        apart = _one_token(model, backend())
-        pool.one_row_epilogue = True
+        apart = _one_token(apart_model, backend())
         assert "shrink_row" not in launched and "sgmv_expand" in launched
         if slot in (-1, 2):
             assert torch.equal(fused, base), slot

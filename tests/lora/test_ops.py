@@ -30,6 +30,7 @@ import torch
 from lora import ops
 from lora.kernels import tiling
 from lora.segments import plan_segments
+from rollout.kernels.options import KernelOptions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -67,13 +68,14 @@ class Problem:
     def segments(self) -> tuple[torch.Tensor, ...]:
         return self.row_ids, self.seg_indptr, self.seg_slots, self.slot_ranks
 
-    def shrink(self, fn: Any = None) -> torch.Tensor:
+    def shrink(self, fn: Any = None, **kw: Any) -> torch.Tensor:
+        """`kw`: fn's own keywords (ops' `options`, the kernel's forced `split_k`)."""
         fn = fn or ops.sgmv_shrink
-        return fn(self.x, self.lora_a, *self.segments(), num_slices=self.num_slices, max_rank=self.max_rank)
+        return fn(self.x, self.lora_a, *self.segments(), num_slices=self.num_slices, max_rank=self.max_rank, **kw)
 
-    def expand(self, h: torch.Tensor, out: torch.Tensor, fn: Any = None) -> None:
+    def expand(self, h: torch.Tensor, out: torch.Tensor, fn: Any = None, **kw: Any) -> None:
         fn = fn or ops.sgmv_expand
-        fn(h, self.lora_b, out, *self.segments(), slice_offsets=self.slice_offsets, max_rank=self.max_rank)
+        fn(h, self.lora_b, out, *self.segments(), slice_offsets=self.slice_offsets, max_rank=self.max_rank, **kw)
 
     def positions(self) -> list[tuple[int, int, int]]:
         """(position in row_ids, token row, rank) of every position that runs an adapter."""
@@ -157,11 +159,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.fixture
-def triton_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route the dispatchers to the kernels, also for CPU tensors (the interpreter)."""
+def triton_on() -> KernelOptions:
+    """Options that route the dispatchers to the kernels, also for CPU tensors (the interpreter)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    monkeypatch.setattr(ops, "enabled", True)
+    return KernelOptions(lora_triton=True)
 
 
 # --------------------------------------------------------------- naive per-token loop
@@ -223,20 +225,21 @@ def test_reference_sums_split_partials() -> None:
 # ---------------------------------------------------------- Triton vs the reference
 
 
-def check_triton_vs_reference(p: Problem) -> None:
+def check_triton_vs_reference(p: Problem, split_k: int | None = None, block_n: int | None = None) -> None:
     """Shrink's written entries and expand's whole out against the references; untouched
-    rows of out bit-identical (never rewritten), h's unwritten entries never read."""
+    rows of out bit-identical (never rewritten), h's unwritten entries never read. `split_k`,
+    `block_n`: the kernels' forced split and column block (None: from the shapes)."""
     from lora.kernels import sgmv
 
     tol = TOL[p.x.dtype]
     valid = p.h_valid()
-    h = p.shrink(sgmv.sgmv_shrink)
+    h = p.shrink(sgmv.sgmv_shrink, split_k=split_k)
     h_ref = p.shrink(ops.shrink_reference)
     assert h.dtype == torch.float32 and h.shape[1:] == h_ref.shape[1:] and h.is_contiguous()
     torch.testing.assert_close(h.sum(0)[valid], h_ref[0][valid], **tol)
 
     out, out_ref = p.out.clone(), p.out.clone()
-    p.expand(poisoned(h, p), out, sgmv.sgmv_expand)
+    p.expand(poisoned(h, p), out, sgmv.sgmv_expand, block_n=block_n)
     p.expand(h_ref, out_ref, ops.expand_reference)
     torch.testing.assert_close(out, out_ref, **tol)
     untouched = p.untouched_rows()
@@ -267,21 +270,17 @@ def test_triton_split_k(split_k: int, hidden: int, monkeypatch: pytest.MonkeyPat
     # two at a time (a small register budget), the last pair half past SPLIT_K.
     from lora.kernels import sgmv
 
-    monkeypatch.setattr(sgmv, "_FORCE_SPLIT_K", split_k)
     monkeypatch.setattr(tiling, "PARTIALS_TILE", 2 * 16 * 16)
     p = random_problem(SLICES["three"], seed=4, hidden=hidden)
-    assert p.shrink(sgmv.sgmv_shrink).shape[0] == split_k
+    assert p.shrink(sgmv.sgmv_shrink, split_k=split_k).shape[0] == split_k
     assert tiling.expand_tiling(p.row_ids.shape[0], p.seg_slots.shape[0], (32, 12, 12), 16, split_k).split_chunk == 2
-    check_triton_vs_reference(p)
+    check_triton_vs_reference(p, split_k=split_k)
 
 
 @needs_triton
-def test_triton_split_k_with_a_ragged_k(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_split_k_with_a_ragged_k() -> None:
     # K=40 is no multiple of the 16-wide step: the last split's last step is masked
-    from lora.kernels import sgmv
-
-    monkeypatch.setattr(sgmv, "_FORCE_SPLIT_K", 2)
-    check_triton_vs_reference(random_problem(SLICES["two"], seed=5, hidden=40, dtype=torch.float16))
+    check_triton_vs_reference(random_problem(SLICES["two"], seed=5, hidden=40, dtype=torch.float16), split_k=2)
 
 
 @needs_triton
@@ -304,15 +303,14 @@ def test_triton_decode_plan_padded_for_a_graph(dtype: torch.dtype) -> None:
 
 
 @needs_triton
-def test_triton_padding_does_not_change_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_padding_does_not_change_the_answer() -> None:
     # one split so both plans add in the same order: padded and unpadded agree to rounding
     from lora.kernels import sgmv
 
-    monkeypatch.setattr(sgmv, "_FORCE_SPLIT_K", 1)
     outs = []
     for extra_rows, extra_segments in ((0, 0), (5, 4)):
         p = random_problem(SLICES["two"], seed=7, extra_rows=extra_rows, extra_segments=extra_segments)
-        p.expand(p.shrink(sgmv.sgmv_shrink), p.out, sgmv.sgmv_expand)
+        p.expand(p.shrink(sgmv.sgmv_shrink, split_k=1), p.out, sgmv.sgmv_expand)
         outs.append(p.out)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
@@ -362,19 +360,19 @@ def test_triton_expand_leaves_untouched_rows_bit_identical() -> None:
 # --------------------------------------------------------------------- dispatch, checks
 
 
-def test_cpu_tensors_take_the_reference_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "enabled", None)
+def test_cpu_tensors_take_the_reference_by_default() -> None:
+    automatic = KernelOptions(lora_triton=None)  # whatever ROLLOUT_LORA_TRITON says
     assert not ops.use_triton(torch.zeros(1)) and ops.use_triton(torch.zeros(1, device=DEVICE)) == ON_GPU
     p = random_problem(SLICES["two"], seed=9, device="cpu")
-    h = p.shrink()
+    h = p.shrink(options=automatic)
     assert torch.equal(h, p.shrink(ops.shrink_reference))  # zeros where unwritten: the reference
     out = p.out.clone()
-    p.expand(h, out)
+    p.expand(h, out, options=automatic)
     p.expand(h, p.out, ops.expand_reference)
     assert torch.equal(out, p.out)
 
 
-def test_dispatch_to_triton_when_enabled(triton_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatch_to_triton_when_enabled(triton_on: KernelOptions, monkeypatch: pytest.MonkeyPatch) -> None:
     # the whole LoRA update through the public entry points, against the naive loop
     from lora.kernels import sgmv
 
@@ -389,7 +387,7 @@ def test_dispatch_to_triton_when_enabled(triton_on: None, monkeypatch: pytest.Mo
         monkeypatch.setattr(sgmv, name, counted)
     p = random_problem(SLICES["three"], seed=10)
     expected = naive_expand(p, naive_shrink(p))  # [T, N_out] float64, on the CPU
-    p.expand(p.shrink(), p.out)
+    p.expand(p.shrink(options=triton_on), p.out, options=triton_on)
     assert calls == ["sgmv_shrink", "sgmv_expand"]
     torch.testing.assert_close(p.out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -437,16 +435,16 @@ def test_rejects_bad_arguments() -> None:
 
 
 @pytest.mark.parametrize("use_kernels", [False, True] if HAS_TRITON else [False], ids=["reference", "triton"])
-def test_batches_without_lora_rows(use_kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "enabled", use_kernels)
+def test_batches_without_lora_rows(use_kernels: bool) -> None:
+    options = KernelOptions(lora_triton=use_kernels)
     cases = (([], [], 0, 0), ([-1, -1], [2, 1], 0, 0), ([-1], [2], 2, 2), ([0, 1], [0, 0], 1, 1), ([0], [2], 0, 0))
     for slots, lens, extra_rows, extra_segments in cases:
         ranks = [0] if slots == [0] else [4, 4]  # the last case: a slot of rank 0 (cleared)
         p = make_problem(slots, lens, ranks, (8,), extra_rows=extra_rows, extra_segments=extra_segments)
-        h = p.shrink()
+        h = p.shrink(options=options)
         assert h.shape[1:] == (p.row_ids.shape[0], p.max_rank)
         out0 = p.out.clone()
-        p.expand(h, p.out)
+        p.expand(h, p.out, options=options)
         assert same_bits(p.out, out0)
 
 

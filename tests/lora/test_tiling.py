@@ -26,14 +26,13 @@ def test_tiling_spreads_decode_and_splits_only_what_needs_it(num_slices: int, hi
 
 
 @pytest.mark.parametrize("block_n", [16, 256])
-def test_forced_expand_column_blocks_stay_exact(block_n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # lora.kernels.bench --expand-block-n sweeps this: the narrowest and widest blocks, under
+def test_forced_expand_column_blocks_stay_exact(block_n: int) -> None:
+    # benchmarks.kernels.sgmv --expand-block-n sweeps this: the narrowest and widest blocks, under
     # the interpreter, against the reference (slices narrower and wider than the block)
     pytest.importorskip("triton")
     from test_ops import SLICES, check_triton_vs_reference, random_problem
 
     from lora.kernels import sgmv
 
-    monkeypatch.setattr(sgmv, "_FORCE_EXPAND_BLOCK_N", block_n)
     assert tiling.expand_tiling(9, 3, (32, 12, 12), 16, 1, block_n=block_n).block_n == block_n
-    check_triton_vs_reference(random_problem(SLICES["three"], seed=12))
+    check_triton_vs_reference(random_problem(SLICES["three"], seed=12), block_n=block_n)

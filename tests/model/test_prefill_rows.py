@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 
 from conftest import TinyModel, make_prompts  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
-from rollout.model.runner import EXTEND_ROWS_KV  # noqa: E402
+from rollout.kernels.options import KernelOptions  # noqa: E402
+from rollout.model.runner import EXTEND_ROWS_KV, ModelRunner  # noqa: E402
 from rollout.request import Req  # noqa: E402
 from rollout.scheduler import ScheduledBatch  # noqa: E402
 
@@ -38,8 +39,8 @@ def _spy_rows(engine: Engine) -> list[int]:
 
 
 def _run(model: TinyModel, prompts, params, rows: bool, **kw):
-    engine = Engine(EngineConfig(model=model.path, **kw))
-    engine.runner.extend_rows_kv = 1 << 30 if rows else 0
+    engine = Engine(EngineConfig(model=model.path, kernel_options=KernelOptions(extend_rows_kv=1 << 30 if rows else 0),
+                                 **kw))
     seen = _spy_rows(engine)
     return engine, engine.generate(input_ids=prompts, sampling_params=params), seen
 
@@ -96,21 +97,24 @@ def _req(prompt_len: int, computed: int = 0, outputs: int = 0) -> Req:
 def test_budget_and_graph_size_decide(llama: TinyModel) -> None:
     engine = Engine(EngineConfig(model=llama.path))
     runner = engine.runner
+
+    def with_budget(budget: int | None) -> ModelRunner:
+        """The engine's runner built with this KernelOptions.extend_rows_kv, and a graph of 512."""
+        other = ModelRunner(engine.model, runner.backend, runner.table, runner.device,
+                            options=KernelOptions(extend_rows_kv=budget))
+        other.graphs = _Graphs(max_bs=512)  # type: ignore[assignment]
+        return other
+
     prefill = ScheduledBatch([_req(128)], [128], num_decode=0)  # 128 rows read 8256 KV tokens
     decode = _req(10, computed=10, outputs=1)
     assert runner.graphs is None and not runner._as_rows(prefill)  # CPU: no graph to replay, no rows
     runner.graphs = _Graphs(max_bs=512)  # type: ignore[assignment]
     assert runner._as_rows(prefill) and EXTEND_ROWS_KV >= 8256
-    runner.extend_rows_kv = 8256
-    assert runner._as_rows(prefill)
-    runner.extend_rows_kv = 8255
-    assert not runner._as_rows(prefill)
-    runner.extend_rows_kv = None
+    assert with_budget(8256)._as_rows(prefill)
+    assert not with_budget(8255)._as_rows(prefill)
     hit = ScheduledBatch([decode, _req(200, computed=100)], [1, 100], num_decode=1)  # past a 100-token prefix
     assert runner._as_rows(hit)  # 100 x 100 + 5050 KV reads
-    runner.extend_rows_kv = 15049
-    assert not runner._as_rows(hit)
-    runner.extend_rows_kv = None
+    assert not with_budget(15049)._as_rows(hit)
     runner.graphs = _Graphs(max_bs=100)  # type: ignore[assignment]
     assert not runner._as_rows(hit)  # 101 rows: more than the largest graph
     assert not runner._as_rows(ScheduledBatch([decode], [1], num_decode=1))  # plain decodes: their own layout

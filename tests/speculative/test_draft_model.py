@@ -12,6 +12,7 @@ import torch
 
 from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.kernels.options import KernelOptions
 
 NEW = 16
 
@@ -185,8 +186,7 @@ def test_draft_rows_layout_proposes_as_the_extend_layout(llama: TinyModel, other
     params = SamplingParams(temperature=0.6, max_new_tokens=NEW, ignore_eos=True, seed=2, n=2)
     results = []
     for rows_max in (0, 1 << 20):
-        engine = _engine(llama, other.path)
-        engine.draft.rows_max = rows_max  # type: ignore[union-attr]
+        engine = _engine(llama, other.path, kernel_options=KernelOptions(draft_rows_max=rows_max))
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         c = engine.stats().counters
         results.append(([o.token_ids for o in outs], c["drafted_tokens"], c["accepted_tokens"]))

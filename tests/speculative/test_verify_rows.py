@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from conftest import TinyModel, make_prompts  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+from rollout.kernels.options import KernelOptions  # noqa: E402
 
 NEW = 20
 
@@ -41,8 +42,8 @@ def test_rows_layout_equals_extend_layout(llama: TinyModel, temperature: float) 
     params = SamplingParams(temperature=temperature, max_new_tokens=NEW, ignore_eos=True, seed=4, n=2)
     outs = {}
     for rows_max in (None, 0):
-        engine = Engine(EngineConfig(model=llama.path, speculative="ngram", speculative_governor=False, page_size=16))
-        engine.runner.verify_rows_max = rows_max
+        engine = Engine(EngineConfig(model=llama.path, speculative="ngram", speculative_governor=False, page_size=16,
+                                     kernel_options=KernelOptions(verify_rows_max=rows_max)))
         calls = _count_rows(engine)
         outs[rows_max] = engine.generate(input_ids=prompts, sampling_params=params)
         assert (calls[0] > 0) == (rows_max is None)
