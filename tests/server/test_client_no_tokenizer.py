@@ -17,7 +17,7 @@ SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=5, ignore
 @pytest.fixture(scope="module")
 def bare(llama: TinyModel):
     client = RolloutClient.launch(llama.path, server_args=["--log-level", "WARNING"], num_threads=1)
-    yield client, Engine(EngineConfig(model=llama.path))
+    yield client, Engine(EngineConfig(model=llama.path, num_threads=1))  # the same thread count: the same fp32 sums
     client.close()
 
 
