@@ -21,14 +21,13 @@ from rollout.core.memory import TAGS, MemorySaver, SleepStats
 from rollout.core.outputs import Outputs
 from rollout.core.step import StepLoop
 from rollout.distributed.tp import TensorParallel
-from rollout.metrics import Counters, EngineStats
+from rollout.metrics import EngineStats
 from rollout.model.loader import apply_writes, plan_writes
 from rollout.request import Req, RolloutOutput, SamplingParams
 from rollout.structured.service import StructuredOutput
 from rollout.lora_api import LoraAdaptersMixin
 from rollout.validate import check_bool, check_int, check_pause_mode, named_tensor_list
 from rollout.weight_updates import WeightUpdatesMixin
-from speculative import make_drafter
 
 log = logging.getLogger("rollout")
 
@@ -58,17 +57,14 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         self.kv_pool, self.kv, self.scheduler, self.runner = parts.kv_pool, parts.kv, parts.scheduler, parts.runner
 
         self.weight_version = 0
-        self.counters = Counters()
+        self.counters = parts.counters
         self.outputs = Outputs(self.tokenizer, self.eos_token_ids, self.context_len)
         self.draft = parts.draft  # speculative="draft": the draft model's runner
-        self.drafter = make_drafter(config, self.context_len, self.draft)
-        if self.drafter is not None:
-            self.drafter.tree_rows = self.runner.tree_rows_max  # (graphs come and go with sleep)
+        self.speculation = parts.speculation  # speculative decoding's hook (a null one when off)
         # json_schema / regex / grammar requests; xgrammar is loaded at the first one
         self.structured = StructuredOutput(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,
-                             self.model_config.vocab_size, config.overlap, self.drafter, self.structured,
-                             overlap_plain=config.overlap_plain)
+                             self.model_config.vocab_size, config.overlap_plain, self.speculation, self.structured)
         limits = Limits(self.model_config.vocab_size, self.context_len, self.kv.capacity - config.page_size)
         self.lora = parts.lora
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,
@@ -220,12 +216,11 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             torch.cuda.synchronize(self.device)
         if writes is not None:
             self.kv.flush()
-            if self.drafter is not None:
-                self.drafter.policy_changed()
+            self.speculation.policy_changed()
             self.memory.weights_discarded = False
             self.weight_version += 1
         if draft_writes is not None:
-            self.drafter.on_draft_update(self.weight_version)  # type: ignore[union-attr]
+            self.speculation.draft_updated(self.weight_version)
         return self.weight_version
 
     def _plan_update(self, named_tensors: Iterable, full: bool, target: str) -> tuple[list | None, list | None]:
@@ -269,8 +264,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
         if self.lora is not None:
             self.lora.evict_all()
         self.runner.graphs, self.runner.backend = None, None
-        if self.drafter is not None:
-            self.drafter.release()  # a draft model's sequences, graphs and backend
+        self.speculation.release()  # a draft model's sequences, graphs and backend
         self.memory.release_kv()
         self.memory.release_weights(level)
         self.memory.empty_cache()
@@ -298,8 +292,7 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             if self.lora is not None:
                 self.lora.rebind()  # the slots' per-layer views, onto the re-made buffers
             attach_backend(self.config, self.model_config, self.runner, self.kv_pool, min(self.context_len, self.kv.capacity))
-            if self.draft is not None:
-                self.draft.attach()
+            self.speculation.wake()  # a draft model's backend and graphs
             self.memory.stats.wake_seconds["kv_cache"] = time.perf_counter() - start
         if not self.memory.asleep:
             self.memory.stats.level = 0
@@ -327,8 +320,8 @@ class Engine(WeightUpdatesMixin, LoraAdaptersMixin):
             counters=dict(vars(c)),
             mean_accepted_length=c.accepted_tokens / c.verify_steps if c.verify_steps else 0.0,
             draft_acceptance_rate=c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0,
-            draft_weight_version=self.drafter.weight_version if self.draft is not None else None,  # type: ignore[union-attr]
-            draft_stale=self.draft is not None and self.drafter.stale,  # type: ignore[union-attr]
+            draft_weight_version=self.speculation.draft_weight_version,
+            draft_stale=self.speculation.draft_stale,
         )
 
     def flush_cache(self) -> None:

@@ -104,8 +104,7 @@ class LoraAdaptersMixin:
         versions = {name: manager.apply_update(name, update) for name, update in planned}
         for name in versions:
             self.kv.drop_adapter(name)  # type: ignore[attr-defined]
-            if self.drafter is not None:  # type: ignore[attr-defined]
-                self.drafter.policy_changed(name)  # type: ignore[attr-defined]
+            self.speculation.policy_changed(name)  # type: ignore[attr-defined]
         for req in self.scheduler.waiting:  # type: ignore[attr-defined]
             if req.lora_name in versions:
                 req.lora_version = versions[req.lora_name]

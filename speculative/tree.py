@@ -53,7 +53,7 @@ class DraftTree:
 
     def follow_nodes(self, future: Sequence[int]) -> list[int]:
         """That path's node indices. Where the j-th is not j the path left the leading chain,
-        and the engine moves its KV into position order (step.py `_compact_path`)."""
+        and the engine moves its KV into position order (speculative/verify.py `_compact_path`)."""
         path: list[int] = []
         at = -1
         for token in future:
