@@ -78,8 +78,8 @@ class Row:
         return self.accepted / max(self.tokens - self.accepted, 1)
 
 
-def _drafter(engine, variant: Variant):
-    from benchmarks.common.spec import WindowedGovernor
+def _speculator(engine, variant: Variant):
+    from benchmarks.common.spec import WindowedGovernor, speculator
     from speculative import make_drafter
     from speculative.governor import SpeedGovernor
 
@@ -87,15 +87,25 @@ def _drafter(engine, variant: Variant):
         return None
     drafter = make_drafter(dataclasses.replace(engine.config, speculative=variant.speculative), engine.context_len)
     drafter.coupled = variant.coupled
-    paired = lambda: SpeedGovernor(blocks=engine.config.overlap_plain)  # noqa: E731 (as make_drafter builds it)
-    drafter.governor = {"paired": paired, "windowed": WindowedGovernor, "off": lambda: None}[variant.governor]()
-    return drafter
+    paired = lambda: SpeedGovernor(blocks=engine.config.overlap_plain)  # noqa: E731 (as make_speculator builds it)
+    governor = {"paired": paired, "windowed": WindowedGovernor, "off": lambda: None}[variant.governor]()
+    return speculator(engine, drafter, governor)
+
+
+def _use(engine, spec) -> None:
+    """The variant's speculator in the engine (None: plain decoding, as the speculative engine
+    runs it without drafts: overlap as EngineConfig.overlap says)."""
+    from benchmarks.common.spec import use_speculation
+    from rollout.core.hooks import NO_SPECULATION
+
+    use_speculation(engine, NO_SPECULATION if spec is None else spec)
+    engine.loop.overlap = engine.config.overlap if spec is None else engine.config.overlap_plain
 
 
 def _measure(engine, workload: str, variant: Variant, prompts, params, warm) -> Row:
     """One timed generate with the variant's drafter, after the same cache state and warm-up
     (or first epoch, which fills the suffix drafter's history) for every variant."""
-    engine.drafter = engine.loop.drafter = _drafter(engine, variant)
+    _use(engine, _speculator(engine, variant))
     engine.flush_cache()
     for w in warm:
         engine.generate(input_ids=w[0], sampling_params=w[1])
@@ -198,7 +208,7 @@ def coverage(engine, prompts, epochs) -> None:
     from benchmarks.common.spec import Sample, draft_coverage
     from rollout.request import derive_seed
 
-    engine.drafter = engine.loop.drafter = None
+    _use(engine, None)
     engine.flush_cache()
     first, second = ([Sample(o.prompt_ids, o.token_ids, derive_seed(p.seed, o.sample_index))
                       for o in engine.generate(input_ids=prompts, sampling_params=p)] for p in epochs)
@@ -244,8 +254,10 @@ def host(args) -> None:
 
 def gpu(args) -> None:
     from rollout import Engine, EngineConfig, SamplingParams
+    from benchmarks.common.spec import speculator
     from rollout.model.shapes import SHAPES, write_shape_dir
     from speculative.base import Drafter
+    from speculative.speculator import Speculator
 
     class FixedDrafter(Drafter):  # k tokens every step (their values do not change the cost)
         def propose(self, req, k):
@@ -254,21 +266,16 @@ def gpu(args) -> None:
         def observe_step(self, req, drafted, accepted):
             pass
 
-    def fixed(k: int) -> FixedDrafter:  # k drafts every step, no governor to turn them off
-        drafter = FixedDrafter(k, 10_000)
-        drafter.governor = None
-        return drafter
+    def fixed(k: int) -> Speculator:  # k drafts every step, no governor to turn them off
+        return speculator(engine, FixedDrafter(k, 10_000))
 
     class FixedTree(FixedDrafter):  # a tree of `tree_nodes` nodes every step: a chain of k, then children along it
         def propose_tree(self, req, depth, nodes):
             chain = min(depth, nodes)
             return [1] * nodes, [i - 1 if i < chain else (i - chain) % chain - 1 for i in range(nodes)]
 
-    def tree(k: int, nodes: int) -> FixedTree:
-        drafter = FixedTree(k, 10_000)
-        drafter.governor = None
-        drafter.tree_nodes, drafter.tree_rows = nodes, engine.runner.tree_rows_max
-        return drafter
+    def tree(k: int, nodes: int) -> Speculator:
+        return speculator(engine, FixedTree(k, 10_000), tree_nodes=nodes)
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
@@ -298,12 +305,12 @@ def gpu(args) -> None:
     table: dict[int, list[float]] = {}
     for batch in batches:
         times, eager = [], []
-        engine.drafter = engine.loop.drafter = None
+        _use(engine, None)
         engine.loop.overlap = True
         overlap = step_ms(engine, prompts[batch])
-        engine.loop.overlap = False
         for k in range(0, args.max_k + 1):
-            engine.drafter = engine.loop.drafter = fixed(k) if k else None
+            _use(engine, fixed(k) if k else None)
+            engine.loop.overlap = engine.config.overlap_plain if k else False
             engine.runner.verify_rows_max = None
             times.append(step_ms(engine, prompts[batch]))
             if k:
@@ -318,12 +325,12 @@ def gpu(args) -> None:
         for batch in batches:
             cells = []
             for nodes in args.tree_nodes:
-                engine.drafter = engine.loop.drafter = drafter = tree(args.max_k, nodes)
+                _use(engine, spec := tree(args.max_k, nodes))
                 rows = batch * (1 + nodes)
-                ms = step_ms(engine, prompts[batch]) if batch + batch * nodes <= drafter.tree_rows() else float("nan")
+                ms = step_ms(engine, prompts[batch]) if batch + batch * nodes <= spec.tree_rows() else float("nan")
                 cells.append(f"{nodes}: {ms:.2f} ({rows} rows)")
             print(f"{batch:>5} | " + " | ".join(cells))
-        engine.drafter = engine.loop.drafter = None
+        _use(engine, None)
     print("\nspeedup over plain decoding (overlap on) at a mean accepted length a per verify, best k:")
     print(f"{'batch':>5} | " + " | ".join(f"a={a:<4}" for a in args.accepted))
     for batch, times in table.items():
@@ -346,9 +353,10 @@ def gpu(args) -> None:
     draft_path = write_shape_dir(args.draft_shape)
     engine = Engine(EngineConfig(model=path, speculative="draft", draft_model=draft_path, gpu_memory_fraction=0.5,
                                  num_speculative_tokens=4, **common))
-    engine.drafter.observe_step = lambda req, drafted, accepted: None  # keep k = 4 (random drafts are rejected)
+    spec = engine.speculation
+    spec.drafter.observe_step = lambda req, drafted, accepted: None  # keep k = 4 (random drafts are rejected)
     propose_s = [0.0]
-    inner = engine.drafter.propose_all
+    inner = spec.propose_all
 
     def timed_propose(running):
         sync()
@@ -357,18 +365,18 @@ def gpu(args) -> None:
         sync()
         propose_s[0] += time.perf_counter() - t0
 
-    engine.drafter.propose_all = timed_propose
+    spec.propose_all = timed_propose
     print(f"\ndraft model {args.draft_shape} ({common['dtype']}, decode graphs on CUDA) -> {args.shape}, k = 4: ms per step")
     print(f"{'batch':>5} | {'draft + verify':>14} | {'verify alone':>12} | {'drafting':>8} | {'forwards/step':>13} | "
           f"{'graph replays':>13}")
     graphs = engine.draft.graphs
     for batch in batches:
-        f0, s0 = engine.drafter.forwards, engine.counters.steps
+        f0, s0 = spec.drafter.forwards, engine.counters.steps
         r0 = graphs.num_replays if graphs is not None else 0
         propose_s[0] = 0.0
         total = step_ms(engine, prompts[batch])
         steps = max(engine.counters.steps - s0, 1)
-        forwards = (engine.drafter.forwards - f0) / steps
+        forwards = (spec.drafter.forwards - f0) / steps
         replays = ((graphs.num_replays if graphs is not None else 0) - r0) / steps
         print(f"{batch:>5} | {total:>14.2f} | {table[batch][4]:>12.2f} | {1e3 * propose_s[0] / steps:>8.2f} | "
               f"{forwards:>13.1f} | {replays:>13.1f}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,31 +28,25 @@ if TYPE_CHECKING:
     from lora.flat import FlatLoraAdapter
     from lora.manager import LoraAdapterInfo, LoraManager
     from rollout.cache.manager import KVManager
+    from rollout.core.hooks import Speculation
     from rollout.core.pause import Pause
     from rollout.model.config import ModelConfig
     from rollout.scheduler import Scheduler
 
 
-class PolicyListener(Protocol):
-    """Told when the policy changes: the weights (lora_name None) or one adapter. Speculative
-    decoding's drafter is one (its history or draft model may no longer match the policy)."""
-
-    def policy_changed(self, lora_name: str | None = None) -> None: ...
-
-
 class LoraAdapters:
     """`lora`: the engine's LoraManager (None: LoRA is off, and every call says how to turn it
-    on). `listener()`: who is told of an adapter update, looked up per update (the engine's
-    drafter, which benchmarks and tests may swap)."""
+    on). `speculation()`: speculative decoding's hook, told of an adapter update (a drafter's
+    history may no longer match the policy); looked up per update (benchmarks swap it)."""
 
     def __init__(self, lora: LoraManager | None, model_config: ModelConfig, kv: KVManager, scheduler: Scheduler,
-                 pause: Pause, listener: Callable[[], PolicyListener | None]) -> None:
+                 pause: Pause, speculation: Callable[[], Speculation]) -> None:
         self.lora = lora
         self.model_config = model_config
         self.kv = kv
         self.scheduler = scheduler
         self.pause = pause
-        self.listener = listener
+        self.speculation = speculation
 
     def manager(self) -> LoraManager:
         if self.lora is None:
@@ -107,11 +101,10 @@ class LoraAdapters:
         manager.check_values(planned)
         self.pause(pause_mode, lambda req: req.lora_name in streams)
         versions = {name: manager.apply_update(name, update) for name, update in planned}
-        listener = self.listener()
+        speculation = self.speculation()
         for name in versions:
             self.kv.drop_adapter(name)
-            if listener is not None:
-                listener.policy_changed(name)
+            speculation.policy_changed(name)
         for req in self.scheduler.waiting:
             if req.lora_name in versions:
                 req.lora_version = versions[req.lora_name]

@@ -32,8 +32,7 @@ from rollout.metrics import Counters, EngineStats
 from rollout.request import Req, RolloutOutput, SamplingParams
 from rollout.structured.service import StructuredOutput
 from rollout.validate import check_int
-from rollout.weights import DraftFollower, WeightSync
-from speculative import make_drafter
+from rollout.weights import WeightSync
 
 if TYPE_CHECKING:
     from lora.flat import FlatLoraAdapter
@@ -66,17 +65,14 @@ class Engine:
         self.context_len = parts.context_len
         self.kv_pool, self.kv, self.scheduler, self.runner = parts.kv_pool, parts.kv, parts.scheduler, parts.runner
 
-        self.counters = Counters()
+        self.counters = parts.counters
         self.outputs = Outputs(self.tokenizer, self.eos_token_ids, self.context_len)
         self.draft = parts.draft  # speculative="draft": the draft model's runner
-        self.drafter = make_drafter(config, self.context_len, self.draft)
-        if self.drafter is not None:
-            self.drafter.tree_rows = self.runner.tree_rows_max  # (graphs come and go with sleep)
+        self.speculation = parts.speculation  # speculative decoding's hook (a null one when off)
         # json_schema / regex / grammar requests; xgrammar is loaded at the first one
         self.structured = StructuredOutput(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.outputs, self.counters,
-                             self.model_config.vocab_size, config.overlap, self.drafter, self.structured,
-                             overlap_plain=config.overlap_plain)
+                             self.model_config.vocab_size, config.overlap_plain, self.speculation, self.structured)
         limits = Limits(self.model_config.vocab_size, self.context_len, self.kv.capacity - config.page_size)
         self.lora = parts.lora
         self.intake = Intake(limits, self.tokenizer, lambda rid: self.scheduler.find(rid) is not None, config.seed,
@@ -88,11 +84,11 @@ class Engine:
         self.outbox = Outbox()  # finished outputs not yet handed out: the next step() returns them
         self.pause = Pause(self.scheduler, self.loop, self.counters, self.outbox, self.step, self.abort,
                            lambda: self.memory.can_step)
-        # the drafter is looked up per update: benchmarks and tests swap engine.drafter
+        # the speculation hook is looked up per update: benchmarks swap engine.speculation
         self.adapters = LoraAdapters(self.lora, self.model_config, self.kv, self.scheduler, self.pause,
-                                     lambda: self.drafter)
+                                     lambda: self.speculation)
         self.weights = WeightSync(self.model, self.draft, self.tp, self.device, self.kv, self.memory, self.pause,
-                                  self.adapters, lambda: self.drafter)
+                                  self.adapters, lambda: self.speculation)
 
     # ---- requests in ------------------------------------------------------------------
     def add_request(
@@ -285,8 +281,7 @@ class Engine:
         if self.lora is not None:
             self.lora.evict_all()
         self.runner.graphs, self.runner.backend = None, None
-        if self.drafter is not None:
-            self.drafter.release()  # a draft model's sequences, graphs and backend
+        self.speculation.release()  # a draft model's sequences, graphs and backend
         self.memory.release_kv()
         self.memory.release_weights(level)
         self.memory.empty_cache()
@@ -314,8 +309,7 @@ class Engine:
             if self.lora is not None:
                 self.lora.rebind()  # the slots' per-layer views, onto the re-made buffers
             attach_backend(self.config, self.model_config, self.runner, self.kv_pool, min(self.context_len, self.kv.capacity))
-            if self.draft is not None:
-                self.draft.attach()
+            self.speculation.wake()  # a draft model's backend and graphs
             self.memory.stats.wake_seconds["kv_cache"] = time.perf_counter() - start
         if not self.memory.asleep:
             self.memory.stats.level = 0
@@ -331,7 +325,6 @@ class Engine:
     def stats(self) -> EngineStats:
         c = self.counters
         used = self.kv.used_slots()
-        drafter = self.drafter if isinstance(self.drafter, DraftFollower) else None  # speculative="draft"
         return EngineStats(
             tokens_per_second=c.generated_tokens / c.step_seconds if c.step_seconds else 0.0,
             prefix_cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
@@ -344,8 +337,8 @@ class Engine:
             counters=dict(vars(c)),
             mean_accepted_length=c.accepted_tokens / c.verify_steps if c.verify_steps else 0.0,
             draft_acceptance_rate=c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0,
-            draft_weight_version=drafter.weight_version if drafter is not None else None,
-            draft_stale=drafter is not None and drafter.stale,
+            draft_weight_version=self.speculation.draft_weight_version,
+            draft_stale=self.speculation.draft_stale,
         )
 
     def flush_cache(self) -> None:

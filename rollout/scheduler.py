@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from rollout.cache.manager import KVManager
 from rollout.config import EngineConfig
+from rollout.core.hooks import NO_SPECULATION, Speculation
 from rollout.request import Req
 
 if TYPE_CHECKING:
@@ -40,11 +41,6 @@ class ScheduledBatch:
         req = self.reqs[i]
         return req.num_computed_tokens + self.extend_lens[i] == req.seq_len + len(req.draft_tokens)
 
-    def decode_only(self) -> bool:
-        """Does every request compute just its last token (and its drafts): no prefill work?
-        (Only such steps time decoding against verification: speculative/governor.py.)"""
-        return all(n == 1 + len(r.draft_tokens) and r.output_ids for r, n in zip(self.reqs, self.extend_lens))
-
     def samplers(self) -> list[Req]:
         """The requests that sample this step, in batch order."""
         if self.num_decode == len(self.reqs):  # decode-only: a decode always samples
@@ -53,9 +49,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager, lora: LoraManager | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, lora: LoraManager | None = None,
+                 speculation: Speculation = NO_SPECULATION) -> None:
         self.config = config
         self.kv = kv
+        # a request with drafts asks it how many of them run this step (Speculation.verify_tokens)
+        self.speculation = speculation
         # Running requests' adapters always sit in device slots, so a step never mixes more
         # adapters than there are slots: a request whose adapter finds no slot waits.
         self.lora = lora
@@ -135,12 +134,8 @@ class Scheduler:
             if req.num_inflight and seq_len - len(req.prompt_ids) >= req.params.max_new_tokens:
                 continue  # its last token is already in flight: nothing more to compute
             need = seq_len - req.num_computed_tokens
-            if req.draft_tokens:  # verify: the last token and the k drafts, whole or not at all
-                if need != 1 or 1 + len(req.draft_tokens) > budget or not self.kv.extend(
-                        req, req.num_computed_tokens + 1 + len(req.draft_tokens)):
-                    req.clear_drafts()  # short of budget or memory: a plain decode this step
-                else:
-                    need = 1 + len(req.draft_tokens)
+            if req.draft_tokens:  # a verify: its last token and its drafts, or a plain decode
+                need = self.speculation.verify_tokens(req, need, budget)
             n = 1 if need == 1 else min(need, budget)
             if n <= 0:
                 continue  # a chunked prefill waits for budget; it keeps its KV
@@ -163,9 +158,6 @@ class Scheduler:
             budget = self._admit(budget, decodes, extends)
         if not decodes and not extends:
             return None
-        # prefill work: a chunk, or a prompt's last token (a "decode" that samples its first)
-        if any(not r.draft_tokens for r, _ in extends) or any(not (r.output_ids or r.num_inflight) for r, _ in decodes):
-            self._trees_to_chains(extends)
         chosen = decodes + extends
         return ScheduledBatch(
             reqs=[r for r, _ in chosen],
@@ -173,20 +165,6 @@ class Scheduler:
             num_decode=len(decodes),
             retracted=retracted,
         )
-
-    def _trees_to_chains(self, extends: list[tuple[Req, int]]) -> None:
-        """A step with prefill work may run in the extend layout, where each request attends
-        causally over its positions: a draft tree's nodes would see their siblings there. Its
-        trees keep their leading chain (a tree drafter grows its chain first) and give back
-        the other nodes' KV."""
-        for i, (req, n) in enumerate(extends):
-            if req.draft_parents is None:
-                continue
-            chain = next((j for j, p in enumerate(req.draft_parents) if p != j - 1), len(req.draft_parents))
-            req.draft_tokens = req.draft_tokens[:chain]
-            req.draft_parents = None
-            self.kv.truncate(req, req.num_computed_tokens + 1 + chain)
-            extends[i] = (req, 1 + chain)
 
     def _admit(self, budget: int, decodes: list[tuple[Req, int]], extends: list[tuple[Req, int]]) -> int:
         # Leave room for every running request's next token, so admission does not force

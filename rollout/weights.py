@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,8 +29,9 @@ from rollout.validate import check_bool, check_float, check_int, check_pause_mod
 if TYPE_CHECKING:
     from torch import nn
 
-    from rollout.adapters import LoraAdapters, PolicyListener
+    from rollout.adapters import LoraAdapters
     from rollout.cache.manager import KVManager
+    from rollout.core.hooks import Speculation
     from rollout.core.memory import MemorySaver
     from rollout.core.pause import Pause
     from rollout.distributed.tp import TensorParallel
@@ -40,24 +41,13 @@ if TYPE_CHECKING:
 Stream = Iterable[tuple[str, torch.Tensor]]
 
 
-@runtime_checkable
-class DraftFollower(Protocol):
-    """The draft model's drafter (speculative="draft"): told when the draft's weights change,
-    it records the weight version they were synced at, and whether the policy moved on since."""
-
-    weight_version: int
-    stale: bool
-
-    def on_draft_update(self, version: int) -> None: ...
-
-
 class WeightSync:
-    """`listener()`: who is told of a policy change, looked up per update (the engine's
-    drafter, which benchmarks and tests may swap)."""
+    """`speculation()`: speculative decoding's hook, told of a policy change and of a draft
+    model's sync; looked up per update (benchmarks swap the engine's)."""
 
     def __init__(self, model: nn.Module, draft: DraftRunner | None, tp: TensorParallel, device: torch.device,
                  kv: KVManager, memory: MemorySaver, pause: Pause, adapters: LoraAdapters,
-                 listener: Callable[[], PolicyListener | None]) -> None:
+                 speculation: Callable[[], Speculation]) -> None:
         self.model = model
         self.draft = draft
         self.tp = tp
@@ -66,7 +56,7 @@ class WeightSync:
         self.memory = memory
         self.pause = pause
         self.adapters = adapters
-        self.listener = listener
+        self.speculation = speculation
         self.version = 0  # the policy's weight version: every output carries the one(s) that made it
         self.group: WeightGroup | None = None
 
@@ -90,15 +80,14 @@ class WeightSync:
             apply_writes(writes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        drafter = self.listener()
+        speculation = self.speculation()
         if writes is not None:
             self.kv.flush()
-            if drafter is not None:
-                drafter.policy_changed()
+            speculation.policy_changed()
             self.memory.weights_discarded = False
             self.version += 1
-        if draft_writes is not None and isinstance(drafter, DraftFollower):
-            drafter.on_draft_update(self.version)
+        if draft_writes is not None:
+            speculation.draft_updated(self.version)
         return self.version
 
     def _plan(self, named_tensors: Stream, full: bool, target: str) -> tuple[list[WeightWrite] | None,

@@ -20,43 +20,68 @@ from samples of the target's distribution is the target's own draw as often as t
 allow (choice.py); greedy requests follow the latest continuation. `governor.py` keeps
 drafting on only while it beats plain decoding (on CUDA plain decoding overlaps its steps
 while drafting is off, as without speculation).
+
+The engine's step loop sees none of this: `speculator.Speculator` implements its speculation
+hook (rollout/core/hooks.py), and rollout/core/build.py plugs it in (`make_speculator`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from speculative.governor import SpeedGovernor
 
 if TYPE_CHECKING:
+    from rollout.cache.manager import KVManager
     from rollout.config import EngineConfig
+    from rollout.metrics import Counters
     from speculative.base import Drafter
     from speculative.draft_runner import DraftRunner
+    from speculative.speculator import Speculator
 
 
-def make_drafter(config: EngineConfig, context_len: int, draft: DraftRunner | None = None) -> Drafter | None:
-    if config.speculative is None:
-        return None
-    drafter: Drafter
+def make_drafter(config: EngineConfig, context_len: int, draft: DraftRunner | None = None) -> Drafter:
+    """The drafter EngineConfig.speculative names (not None)."""
+    assert config.speculative is not None
     if config.speculative == "draft":
         from speculative.draft_model import DraftModelDrafter
 
         assert draft is not None, "build_parts makes the draft runner"
-        drafter = DraftModelDrafter(draft, config.num_speculative_tokens, context_len, config.max_prefill_tokens,
-                                    follow_updates=config.speculative_draft_sync)
-    elif config.speculative == "ngram":
+        return DraftModelDrafter(draft, config.num_speculative_tokens, context_len, config.max_prefill_tokens,
+                                 follow_updates=config.speculative_draft_sync)
+    if config.speculative == "ngram":
         from speculative.ngram import NgramDrafter
 
-        drafter = NgramDrafter(config.num_speculative_tokens, context_len)
-    else:
-        from speculative.suffix import SuffixDrafter
+        return NgramDrafter(config.num_speculative_tokens, context_len)
+    from speculative.suffix import SuffixDrafter
 
-        drafter = SuffixDrafter(config.num_speculative_tokens, context_len, config.speculative_history_tokens,
-                                keep_on_update=config.speculative_keep_history_on_update,
-                                cross_prompt=config.speculative_cross_prompt)
-    drafter.tree_nodes = config.speculative_tree_nodes
+    return SuffixDrafter(config.num_speculative_tokens, context_len, config.speculative_history_tokens,
+                         keep_on_update=config.speculative_keep_history_on_update,
+                         cross_prompt=config.speculative_cross_prompt)
+
+
+def make_speculator(config: EngineConfig, context_len: int, kv: KVManager, counters: Counters,
+                    tree_rows: Callable[[], int], draft: DraftRunner | None = None,
+                    attach_draft: Callable[[], None] | None = None) -> Speculator:
+    """The engine's speculation hook for EngineConfig.speculative (not None). `tree_rows`: the
+    rows a verify step of draft trees may have (ModelRunner.tree_rows_max); `attach_draft`:
+    the draft model's backend and graphs, again on wake (speculative="draft")."""
+    from speculative.speculator import Speculator
+
+    drafter = make_drafter(config, context_len, draft)
+    spec: Speculator
+    if draft is not None:
+        from speculative.draft_model import DraftModelDrafter, DraftModelSpeculator
+
+        assert isinstance(drafter, DraftModelDrafter) and attach_draft is not None
+        spec = DraftModelSpeculator(drafter, attach_draft, kv, counters)
+    else:
+        spec = Speculator(drafter, kv, counters)
+    spec.tree_nodes = config.speculative_tree_nodes
+    spec.tree_rows = tree_rows  # (graphs come and go with sleep)
     if not config.speculative_governor:
-        drafter.governor = None
+        spec.governor = None
     elif config.overlap_plain:  # steps that do not draft are overlapped: probe in blocks
-        drafter.governor = SpeedGovernor(blocks=True)
-    return drafter
+        spec.governor = SpeedGovernor(blocks=True)
+    return spec

@@ -21,13 +21,17 @@ its KV was made by the old draft weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from rollout.cache.manager import KVManager
+from rollout.metrics import Counters
 from rollout.request import Req
 from speculative.base import Drafter
 from speculative.draft_runner import DraftRow, DraftRunner
+from speculative.speculator import Speculator
 
 
 @dataclass
@@ -38,6 +42,8 @@ class DraftSeq:
 
 
 class DraftModelDrafter(Drafter):
+    looks = False  # a look for drafts would be a draft-model forward between steps
+
     def __init__(self, runner: DraftRunner, max_tokens: int, context_len: int, max_prefill_tokens: int,
                  follow_updates: bool) -> None:
         super().__init__(max_tokens, min(context_len, runner.context_len))
@@ -78,11 +84,6 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, req: Req, k: int) -> list[int]:
         return self.propose_batch([(req, k)])[0]
-
-    def look(self, running: list[Req]) -> tuple[int, int]:
-        """None looked at: a look would be a draft-model forward between steps."""
-        return 0, 0
-
 
     # ---- drafting ---------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Req, int]]) -> list[list[int]]:
@@ -158,3 +159,29 @@ class DraftModelDrafter(Drafter):
         self.runner.free(seq.slots[n:])
         del seq.slots[n:], seq.tokens[n:]
         seq.verified = min(seq.verified, n)
+
+
+class DraftModelSpeculator(Speculator):
+    """The Speculator of a draft model: the engine syncs the draft's weights, and its backend
+    and graphs sleep and wake with the target's (`attach`: build.attach_backend for the draft)."""
+
+    drafter: DraftModelDrafter
+
+    def __init__(self, drafter: DraftModelDrafter, attach: Callable[[], None], kv: KVManager | None = None,
+                 counters: Counters | None = None) -> None:
+        super().__init__(drafter, kv, counters)
+        self.attach = attach
+
+    @property
+    def draft_weight_version(self) -> int | None:  # type: ignore[override]
+        return self.drafter.weight_version
+
+    @property
+    def draft_stale(self) -> bool:  # type: ignore[override]
+        return self.drafter.stale
+
+    def draft_updated(self, version: int) -> None:
+        self.drafter.on_draft_update(version)
+
+    def wake(self) -> None:
+        self.attach()

@@ -1,6 +1,7 @@
 """The draft model's own machinery: its weights, a KV pool of its own (one slot per token,
 no prefix sharing), an attention backend over that pool and decode CUDA graphs, the same
-pieces the target uses (rollout/model, rollout/attention), built again for a second model.
+pieces the target uses, built by the target's construction code (rollout/core/build.py:
+load_model, make_kv_pool, attach_backend) for a second model.
 
 It knows flat batches of tokens and slots; which tokens a request still owes the draft,
 and what the drafts are, is draft_model.py's business.
@@ -8,25 +9,20 @@ and what the drafts are, is draft_model.py's business.
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from rollout.attention import make_backend
+from rollout.attention.base import AttentionBackend
 from rollout.cache.kv_pool import KVPool, OutOfSlots
-from rollout.config import EngineConfig
 from rollout.device import to_device
-from rollout.model.build import build_model, init_random_weights
 from rollout.model.config import ModelConfig
 from rollout.model.cuda_graph import DecodeGraphs
 from rollout.model.forward_batch import ForwardBatch
-from rollout.model.loader import WeightWrite, iter_checkpoint, load_weights, plan_writes
+from rollout.model.llama import LlamaModel
+from rollout.model.loader import WeightWrite, plan_writes
 from rollout.model.runner import run_model
-
-log = logging.getLogger("rollout")
 
 
 @dataclass
@@ -40,63 +36,33 @@ class DraftRow:
 
 
 class DraftRunner:
-    def __init__(self, config: EngineConfig, target: ModelConfig, device: torch.device) -> None:
-        assert config.draft_model is not None
-        self.config = config
-        self.path = config.draft_model
-        self.model_config = cfg = ModelConfig.from_dir(self.path)
-        if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"EngineConfig.draft_model={self.path!r}: vocabulary of {cfg.vocab_size} tokens, the "
-                             f"target's has {target.vocab_size}: a draft model must share the target's tokenizer")
-        check_same_tokenizer(self.path, config.model)
-        self.context_len = cfg.max_position_embeddings
+    def __init__(self, model: LlamaModel, model_config: ModelConfig, path: str, device: torch.device,
+                 rows_max: int | None = None) -> None:
+        self.path = path
+        self.model_config = model_config
+        self.context_len = model_config.max_position_embeddings
         self.device = device
-        self.model = build_model(cfg, self.context_len, config.torch_dtype, device, options=config.kernel_options)
-        if config.load_format == "dummy":
-            init_random_weights(self.model, config.seed + 1)
-        else:
-            load_weights(self.model, iter_checkpoint(self.path), full=True)
-        self.pool: KVPool | None = None
-        self.backend = None
+        self.model = model
+        self.pool: KVPool | None = None  # build.make_kv_pool, once the target's KV is sized
+        self.backend: AttentionBackend | None = None
         self.graphs: DecodeGraphs | None = None
         # token rows up to which a forward runs as decode rows; None: the largest decode graph
         # (0 without graphs: on CPU the extend layout is as fast); tests force it on CPU
         # (KernelOptions.draft_rows_max)
-        self.rows_max: int | None = config.kernel_options.draft_rows_max
+        self.rows_max = rows_max
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    def kv_bytes_per_token(self) -> int:
-        c = self.model_config
-        return KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.config.torch_dtype)
-
-    def make_pool(self, max_tokens: int) -> None:
-        c = self.model_config
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens, 1, self.config.torch_dtype, self.device,
-                           self.config.kernel_options)
-        log.info("draft model %s: %.2f GiB of weights, KV for %d tokens (%.2f GiB)", self.path,
-                 self.weight_bytes() / 2**30, max_tokens, max_tokens * self.kv_bytes_per_token() / 2**30)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         assert self.pool is not None
         return [*self.pool.k_buffers, *self.pool.v_buffers]
 
-    def attach(self) -> None:
-        """Attention backend and decode graphs over the pool (at start-up and on wake)."""
-        assert self.pool is not None
-        c, config = self.model_config, self.config
-        self.graphs = None
-        self.backend = make_backend(config.attention, self.pool, c.num_heads, c.num_kv_heads, c.head_dim, config.device,
-                                    config.kernel_options)
-        if self.device.type == "cuda" and config.cuda_graph and self.backend.graphable:
-            start = time.perf_counter()
-            # rows = requests x (1 + k): the catch-up after a verify runs as decode rows
-            max_bs = min(config.max_running_requests, config.cuda_graph_max_bs) * (1 + config.num_speculative_tokens)
-            self.graphs = DecodeGraphs(self.model, self.backend, max_bs, min(self.context_len, self.capacity),
-                                       self.device)
-            self.graphs.capture()
-            log.info("draft model: decode CUDA graphs up to batch %d in %.1f s", max_bs, time.perf_counter() - start)
+    def capture_decode_graphs(self, max_bs: int, max_context: int) -> None:
+        """Decode graphs of up to max_bs rows (build.attach_backend, at start-up and on wake)."""
+        assert self.backend is not None
+        self.graphs = DecodeGraphs(self.model, self.backend, max_bs, max_context, self.device)
+        self.graphs.capture()
 
     def detach(self) -> None:
         self.graphs, self.backend = None, None
@@ -186,17 +152,3 @@ class DraftRunner:
             tokens = tokens[d(torch.tensor([i for i, r in enumerate(rows) if r.wants_logits], dtype=torch.int64))]
         return tokens
 
-
-def check_same_tokenizer(draft_dir: str, target_dir: str) -> None:
-    """When both checkpoints carry a tokenizer, their vocabularies must map the same strings
-    to the same ids (equal sizes alone do not make a shared tokenizer)."""
-    from rollout.core.build import load_tokenizer
-
-    a, b = load_tokenizer(draft_dir), load_tokenizer(target_dir)
-    if a is None or b is None:
-        return
-    va, vb = a.get_vocab(), b.get_vocab()
-    if va != vb:
-        diff = next((t for t in va if vb.get(t) != va[t]), None)
-        raise ValueError(f"EngineConfig.draft_model={draft_dir!r}: its tokenizer differs from the target's "
-                         f"(token {diff!r} is {va.get(diff)} there and {vb.get(diff)} in the target)")

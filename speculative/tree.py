@@ -53,7 +53,7 @@ class DraftTree:
 
     def follow_nodes(self, future: Sequence[int]) -> list[int]:
         """That path's node indices. Where the j-th is not j the path left the leading chain,
-        and the engine moves its KV into position order (step.py `_compact_path`)."""
+        and the engine moves its KV into position order (speculative/verify.py `_compact_path`)."""
         path: list[int] = []
         at = -1
         for token in future:
@@ -139,7 +139,7 @@ def split_ahead(tree: DraftTree) -> DraftTree:
     node's chance is the sum of its copies' (each already weighted by its candidate's).
 
     Measured, not built into the engine: on the second-epoch GRPO trace such verifies gain
-    nothing over waiting for the token (rollout/bench/spec_tree.py batch1_ahead_trace;
+    nothing over waiting for the token (benchmarks/common/spec_tree.py batch1_ahead_trace;
     BENCHMARKS.md, speculative decoding, session 17)."""
     out = DraftTree()
     index: dict[int, int] = {}  # node of `tree` -> node of the merge

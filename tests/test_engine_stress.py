@@ -81,7 +81,7 @@ def _run_workload(llama: TinyModel, seed: int, mode: str):
     if tight.draft is not None:
         assert tight.draft.pool.allocator.num_free_slots == tight.draft.capacity, "draft KV leaked"
     if mode == "suffix":  # aborted and retracted samples took their counts with them
-        assert tight.drafter.tracked_requests() == 0
+        assert tight.speculation.drafter.tracked_requests() == 0
     return tight.counters
 
 

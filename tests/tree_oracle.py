@@ -3,6 +3,8 @@ behind decoy branches (tests/speculative/test_engine_tree.py, test_verify_rows.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rollout.request import Req
 from speculative.base import Drafter
 
@@ -14,9 +16,7 @@ class OracleTree(Drafter):
     def __init__(self, plain: dict[tuple[int, ...], list[list[int]]], vocab: int, k: int, nodes: int) -> None:
         super().__init__(k, 10_000)
         self.plain, self.vocab = plain, vocab
-        self.tree_nodes = nodes
-        self.tree_rows = lambda: 1 << 30
-        self.governor = None
+        self.nodes = nodes
         self.trees = 0  # trees proposed
 
     def propose(self, req: Req, k: int) -> list[int]:
@@ -56,3 +56,10 @@ class OracleTree(Drafter):
 
     def observe_step(self, req: Req, drafted: int, accepted: int) -> None:
         pass  # keep the trees at full depth
+
+
+def plug(engine, oracle: OracleTree, tree_rows: Callable[[], int] = lambda: 1 << 30) -> None:
+    """Make `oracle` the engine's drafter: trees of its node budget every step (no governor),
+    in steps whose rows fit `tree_rows` (default: any)."""
+    spec = engine.speculation
+    spec.drafter, spec.governor, spec.tree_nodes, spec.tree_rows = oracle, None, oracle.nodes, tree_rows

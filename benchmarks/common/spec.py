@@ -14,10 +14,48 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from rollout.core.hooks import NO_SPECULATION, Speculation
 from rollout.request import Req, SamplingParams
+from speculative.base import Drafter
+from speculative.governor import SpeedGovernor
 from speculative.noise import position_key, race_noise
+from speculative.speculator import Speculator
+
+
+def use_speculation(engine, speculation: Speculation) -> Speculation:
+    """Put a speculation hook into the engine (its loop, scheduler and facade), as the
+    benchmarks do to compare drafters, and plain decoding (NO_SPECULATION), on one engine;
+    returns the hook it replaced."""
+    old = engine.loop.speculation
+    engine.speculation = engine.loop.speculation = engine.scheduler.speculation = speculation
+    return old
+
+
+def speculator(engine, drafter: Drafter, governor: SpeedGovernor | None = None, tree_nodes: int = 0) -> Speculator:
+    """A Speculator around `drafter` on the engine's KV and counters: `governor` (None:
+    drafting every step), trees of `tree_nodes` nodes where the engine's attention takes them."""
+    spec = Speculator(drafter, engine.kv, engine.counters)
+    spec.governor, spec.tree_nodes, spec.tree_rows = governor, tree_nodes, engine.runner.tree_rows_max
+    return spec
+
+
+@contextmanager
+def plain_decoding(engine) -> Iterator[None]:
+    """A speculative engine's steps without drafts, and without overlap (as its loop runs
+    with no drafter: EngineConfig.overlap), for the plain decoding a run compares with."""
+    loop = engine.loop
+    old, overlap = use_speculation(engine, NO_SPECULATION), loop.overlap
+    loop.overlap = engine.config.overlap
+    try:
+        yield
+    finally:
+        use_speculation(engine, old)
+        loop.overlap = overlap
+
 
 # H200, Llama-3.1-8B shape, bf16, ms per step (BENCHMARKS.md, "the verify step's host time",
 # 2026-12-02, second session): batch -> (decode with overlap on, verify k = 1..K as decode rows
@@ -41,7 +79,7 @@ def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: in
                          waited: int = 0) -> float:
     """H200 batch-1 decode speedup from a step trace: `verifies` holds the number of drafts
     each verify step checked, `plain_steps` the steps that drafted nothing, `overlapped` of
-    those the ones that ran overlapped (rollout/core/step.py; the rest without overlap) and
+    those the ones that ran overlapped (speculative/speculator.py; the rest without overlap) and
     `waited` of those the ones the next step waited for (a drain before drafting, or the
     sample's end): they cost a step without overlap too. `decode_steps` is the steps plain
     decoding (overlap on) takes for the same tokens. At batch 1 every step is one request's,
@@ -92,7 +130,7 @@ H100_S17_ROWS_MS: dict[int, float] = {1: 6.04, 2: 6.66, 3: 6.78, 4: 6.72, 5: 6.9
                                       17: 7.43, 33: 7.91, 48: 7.95}
 H100_S17_DECODE_MS = 5.81
 # A verify whose accepted path left its tree's leading chain moves that path's KV into
-# position order (step.py `_compact_path`): one launch for every layer (rollout/kernels/
+# position order (speculative/verify.py `_compact_path`): one launch for every layer (rollout/kernels/
 # kv_copy.py), 0.13 ms host and device for 1-15 moved tokens on an H100 (`python -m
 # benchmarks.kernels.kv_copy`, session 20, BENCHMARKS.md; the torch form it replaced: 2.3 ms).
 KV_MOVE_MS = 0.13
@@ -189,7 +227,8 @@ def host_cost(drafter_factory, prompts: int = 8, siblings: int = 8, history: int
     rng = random.Random(seed)
     chain = _Chain(512, seed)
     drafter = drafter_factory()
-    drafter.governor = None
+    spec = Speculator(drafter)  # the engine's per-step proposals around the drafter
+    spec.governor = None
     running: list[Req] = []
     for p in range(prompts):
         prompt = [rng.randrange(49_152) for _ in range(prompt_len)]
@@ -203,14 +242,14 @@ def host_cost(drafter_factory, prompts: int = 8, siblings: int = 8, history: int
             req.output_ids = chain.extend(req, response_len // 2)
             req.num_computed_tokens = req.seq_len - 1
             running.append(req)
-    drafter.propose_all(running)  # first sight of the running samples: indexed once, not timed
+    spec.propose_all(running)  # first sight of the running samples: indexed once, not timed
     for req in running:
         req.draft_tokens = []
     seconds = 0.0
     drafted = accepted = verifies = 0
     for _ in range(steps):
         start = time.perf_counter()
-        drafter.propose_all(running)
+        spec.propose_all(running)
         seconds += time.perf_counter() - start
         for req in running:
             drafts, req.draft_tokens = req.draft_tokens, []

@@ -9,8 +9,8 @@ One engine (a benchmark shape, random weights, greedy, ignore_eos) at each batch
 - good: the suffix drafter with a warm history of the same greedy rollout (every draft
   right), governor on ("now");
 - sparse: right drafts at 2 positions in 8 and nothing to draft at the rest, governor off,
-  with the steps that have nothing to draft overlapped ("now", rollout/core/step.py) and not
-  ("before": `StepLoop.overlap_draftless = False`).
+  with the steps that have nothing to draft overlapped ("now", speculative/speculator.py) and
+  not ("before": `Speculator.draftless_overlap = False`).
 
 The random weights are rewritten into a successor model first (`successor_model`): every
 layer's o_proj and down_proj are zero, so the residual stream is the token's embedding, and
@@ -32,9 +32,12 @@ import time
 import torch
 
 from rollout.kernels.options import KernelOptions
+from benchmarks.common.spec import speculator, use_speculation
+from rollout.core.hooks import NO_SPECULATION
 from rollout.request import Req
 from speculative.base import Drafter
 from speculative.governor import SpeedGovernor
+from speculative.speculator import Speculator
 
 
 class WrongDrafter(Drafter):
@@ -81,7 +84,6 @@ class SparseRightDrafter(Drafter):
     def __init__(self, perm: torch.Tensor, k: int, every: int) -> None:
         super().__init__(k, 1 << 30)
         self.perm, self.every = perm.tolist(), every
-        self.governor = None  # always drafting: the rows compare the steps' mechanics
 
     def propose(self, req: Req, k: int) -> list[int]:
         if req.known_len % self.every >= 2:
@@ -114,15 +116,14 @@ def run(args) -> None:
                                  kernel_options=KernelOptions(small_decode_rows=args.small_decode_rows)))
     perm = successor_model(engine)
     loop = engine.loop
-    overlap_plain = loop.overlap_plain
+    overlap_plain = loop.overlap  # plain steps overlap (CUDA)
     g = torch.Generator().manual_seed(0)
     new = args.new_gpu
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
 
-    def timed(prompts, drafter, overlap_plain_now: bool = overlap_plain, warm=True) -> float:
-        engine.drafter = loop.drafter = drafter
-        loop.overlap = drafter is None and overlap_plain
-        loop.overlap_plain = overlap_plain_now
+    def timed(prompts, spec: Speculator | None, overlap_plain_now: bool = overlap_plain, warm=True) -> float:
+        use_speculation(engine, NO_SPECULATION if spec is None else spec)
+        loop.overlap = overlap_plain if spec is None else overlap_plain_now
         if warm:  # kernels and graphs of these shapes, outside the timing
             engine.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=4,
                                                                              ignore_eos=True))
@@ -139,9 +140,8 @@ def run(args) -> None:
 
     last = [0, 0.0, 0, 0]  # the last timed run's steps, verify steps per request, drafted, accepted tokens
 
-    def governed(drafter: Drafter, blocks: bool, early_stop: bool = True) -> Drafter:
-        drafter.governor = SpeedGovernor(blocks=blocks, early_stop=early_stop)
-        return drafter
+    def governed(drafter: Drafter, blocks: bool, early_stop: bool = True) -> Speculator:
+        return speculator(engine, drafter, SpeedGovernor(blocks=blocks, early_stop=early_stop))
 
     print(f"\n{args.shape}, {'bf16' if cuda else 'fp32'}, {args.device}: ms per token-step, greedy, {new} new tokens, "
           f"prompts of {args.context} random tokens, k = {engine.config.num_speculative_tokens}")
@@ -158,18 +158,20 @@ def run(args) -> None:
         suffix = SuffixDrafter(engine.config.num_speculative_tokens, engine.context_len, 1 << 30)
         # fills the history with this very rollout (and leaves the prompts cached, as the warm-up
         # before every other timing does: the timed runs compare decode steps, not prefills)
-        timed(prompts, governed(suffix, overlap_plain), warm=False)
-        good_now = timed(prompts, suffix, warm=False)
+        good = governed(suffix, overlap_plain)
+        timed(prompts, good, warm=False)
+        good_now = timed(prompts, good, warm=False)
         print(f"{batch:>5} | {plain:>6.2f} | {poor_now:>9.2f} | {poor_before:>12.2f} | {good_now:>9.2f} | "
               f"{poor_now / plain:>15.2f}x | {plain / good_now:>11.2f}x | {last[0]}, {last[1]:.1f}, "
               f"{last[3]}/{last[2]}", flush=True)
         sparse[batch] = plain, []
         for on in (True, False):  # a drafting step with nothing to draft overlaps (now) or not (before)
-            loop.overlap_draftless = on
-            ms = timed(prompts, SparseRightDrafter(perm, engine.config.num_speculative_tokens, 8))
+            # always drafting (no governor): the rows compare the steps' mechanics
+            spec = speculator(engine, SparseRightDrafter(perm, engine.config.num_speculative_tokens, 8))
+            spec.draftless_overlap = on
+            ms = timed(prompts, spec)
             sparse[batch][1].append((ms, last[0], engine.counters.spec_overlapped_steps - overlapped_before[0]))
             overlapped_before[0] = engine.counters.spec_overlapped_steps
-        loop.overlap_draftless = True
     print("\nsparse right drafts (k tokens at 2 positions in 8, governor off), ms per token-step: steps with "
           "nothing to draft overlapped (now) / not (before)")
     print(f"{'batch':>5} | {'plain':>6} | {'now':>6} | {'before':>6} | {'now speedup':>11} | {'before':>6} | steps now / before")

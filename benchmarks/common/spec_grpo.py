@@ -40,7 +40,7 @@ def grpo_epochs(args) -> None:
     mostly turn drafting off, and its acceptance would say little about a GPU."""
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.kernels.options import KernelOptions
-    from benchmarks.common.spec import batch1_trace_speedup, projected_speedup, tree_trace_speedup
+    from benchmarks.common.spec import batch1_trace_speedup, plain_decoding, projected_speedup, tree_trace_speedup
     from benchmarks.common.spec_tree import ahead_summary, batch1_ahead_trace, batch1_tree_trace, plain_futures
     from benchmarks.common.spec_tree import summary as tree_summary
     from rollout.model.fetch import fetch_default_model
@@ -88,19 +88,17 @@ def grpo_epochs(args) -> None:
                     for nodes in args.batch1_ahead:
                         for mode in ["drain"] + [f"{m}:{e}" for e in args.batch1_ahead_least
                                                  for m in ("ahead", "ahead-drain")]:
-                            ahead_traces.append(batch1_ahead_trace(engine.drafter, futures, k, nodes, mode))
+                            ahead_traces.append(batch1_ahead_trace(engine.speculation.drafter, futures, k, nodes, mode))
                             print("  " + ahead_summary(ahead_traces[-1]), flush=True)
         problems = task.problems(step, config.prompts_per_step)
         prompts = [task.prompt_ids(p, engine.tokenizer) for p in problems]
         params = [SamplingParams(temperature=1.0, max_new_tokens=args.new, n=8, seed=sample_seed(0, step, i))
                   for i in range(len(prompts))]
-        drafter = engine.drafter
-        engine.drafter = engine.loop.drafter = None  # plain decoding: no drafts, the history untouched
-        engine.flush_cache()
-        start = time.perf_counter()
-        plain = generate(input_ids=prompts, sampling_params=params)
-        plain_s = time.perf_counter() - start
-        engine.drafter = engine.loop.drafter = drafter
+        with plain_decoding(engine):  # no drafts, the history untouched
+            engine.flush_cache()
+            start = time.perf_counter()
+            plain = generate(input_ids=prompts, sampling_params=params)
+            plain_s = time.perf_counter() - start
         engine.flush_cache()
         c0 = dataclasses.replace(engine.counters)
         record = trainer.step(step)
@@ -193,8 +191,10 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
     from rollout import SamplingParams
     from rollout.rl.grpo import sample_seed
 
-    drafter = engine.drafter
-    engine.drafter = engine.loop.drafter = trial = copy.deepcopy(drafter)
+    from benchmarks.common.spec import speculator, use_speculation
+
+    spec = engine.speculation
+    trial = copy.deepcopy(spec.drafter)
     trial.max_tokens = k  # at most the engine's k (its graphs hold requests x (1 + k) rows)
     verifies: list[int] = []
     inner = trial.observe_step
@@ -205,7 +205,8 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
             inner(req, drafted, accepted)
 
     trial.observe_step = record
-    overlap_plain, engine.loop.overlap_plain = engine.loop.overlap_plain, True  # as CUDA runs it
+    old = use_speculation(engine, speculator(engine, trial, copy.deepcopy(spec.governor), spec.tree_nodes))
+    overlap_plain, engine.loop.overlap = engine.loop.overlap, True  # plain steps overlap, as CUDA runs them
     counted = dataclasses.replace(engine.counters)
     tokens = accepted = 0
     problems = task.problems(step, 8)
@@ -217,8 +218,8 @@ def _batch1_trace(engine, generate, task, step: int, epoch: int, new: int, sampl
             temperature=1.0, max_new_tokens=new, seed=sample_seed(1, step, i)))
         tokens += len(out.token_ids) - 1
         accepted += engine.counters.accepted_tokens - c0
-    engine.drafter = engine.loop.drafter = drafter
-    engine.loop.overlap_plain = overlap_plain
+    use_speculation(engine, old)
+    engine.loop.overlap = overlap_plain
     c = engine.counters
     plain = tokens - accepted - len(verifies)  # each verify emits its accepted drafts + 1
     return Batch1Trace(epoch, k, samples, tokens, tuple(verifies), accepted, plain, adapt,

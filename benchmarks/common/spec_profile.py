@@ -62,20 +62,24 @@ def profile_variant(engine, prompts, params, label: str, steps: int, top: int, h
         engine.step()
 
 
-def run(engine, prompts, make_drafter, k: int, steps: int = 20, top: int = 18, host_top: int = 0,
+def run(engine, prompts, make_speculator, k: int, steps: int = 20, top: int = 18, host_top: int = 0,
         make_tree=None, tree_nodes: tuple[int, ...] = ()) -> None:
-    """`make_drafter(k)`: a drafter proposing k tokens every step (benchmarks.spec's FixedDrafter);
-    `make_tree(k, nodes)`: one proposing a tree of `nodes` nodes, depth <= k, every step
-    (benchmarks.spec's FixedTree), profiled for each of `tree_nodes`."""
+    """`make_speculator(k)`: a Speculator whose drafter proposes k tokens every step
+    (benchmarks.spec's FixedDrafter); `make_tree(k, nodes)`: one proposing a tree of `nodes` nodes,
+    depth <= k, every step (benchmarks.spec's FixedTree), profiled for each of `tree_nodes`."""
     from rollout import SamplingParams
+    from benchmarks.common.spec import use_speculation
+    from rollout.core.hooks import NO_SPECULATION
 
     params = SamplingParams(temperature=0, max_new_tokens=3 * steps + 16, ignore_eos=True)
     trees = [(f"verify tree of {n} nodes, depth <= {k}", make_tree(k, n), False) for n in tree_nodes]
     print(f"\nprofile at batch {len(prompts)}: decode (overlap off / on) against verify k = {k}"
           + (f" and trees of {', '.join(map(str, tree_nodes))} nodes" if trees else ""))
-    for label, drafter, overlap in (("decode, overlap off", None, False), ("decode, overlap on", None, True),
-                                    (f"verify k={k}", make_drafter(k), False), *trees):
-        engine.drafter = engine.loop.drafter = drafter
-        engine.loop.overlap = overlap
+    for label, spec, overlap in (("decode, overlap off", None, False), ("decode, overlap on", None, True),
+                                 (f"verify k={k}", make_speculator(k), False), *trees):
+        use_speculation(engine, NO_SPECULATION if spec is None else spec)
+        # plain decoding overlaps as the variant says; a verify variant's steps without drafts as
+        # the engine's plain steps do
+        engine.loop.overlap = overlap if spec is None else engine.config.overlap_plain
         engine.runner.verify_rows_max = None
         profile_variant(engine, prompts, params, label, steps, top, host_top if overlap is False else 0)

@@ -40,13 +40,14 @@ class TreeTrace:
 def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, samples: int, depth: int,
                       nodes: int, fallback: int = 0) -> TreeTrace:
     from rollout import SamplingParams
+    from benchmarks.common.spec import plain_decoding, speculator, use_speculation
     from rollout.rl.grpo import sample_seed
     from speculative.ngram import draft_spec, last_tokens
     from speculative.suffix import MAX_MATCH
     from speculative.tree import DraftTree, build
 
-    drafter = engine.drafter
-    trial = copy.deepcopy(drafter)
+    spec = engine.speculation
+    trial = copy.deepcopy(spec.drafter)
     trial.max_tokens = depth
     future: list[int] = []  # this sample's tokens (its plain run)
     steps: list[tuple[int, int]] = []
@@ -96,23 +97,24 @@ def batch1_tree_trace(engine, generate, task, step: int, epoch: int, new: int, s
 
     trial.propose = propose
     trial.observe_step = observe
-    overlap_plain, engine.loop.overlap_plain = engine.loop.overlap_plain, True  # as CUDA runs it
+    trial_spec = speculator(engine, trial, copy.deepcopy(spec.governor), spec.tree_nodes)
+    overlap_plain, engine.loop.overlap = engine.loop.overlap, True  # plain steps overlap, as CUDA runs them
     tokens = 0
     problems = task.problems(step, 8)
     for i in range(samples):
         prompt = task.prompt_ids(problems[i % len(problems)], engine.tokenizer)
         params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=sample_seed(1, step, i))
-        engine.drafter = engine.loop.drafter = None
-        engine.flush_cache()
-        (plain,) = generate(input_ids=[prompt], sampling_params=params)
+        with plain_decoding(engine):
+            engine.flush_cache()
+            (plain,) = generate(input_ids=[prompt], sampling_params=params)
         future[:] = plain.token_ids
-        engine.drafter = engine.loop.drafter = trial
+        old = use_speculation(engine, trial_spec)
         engine.flush_cache()
         (out,) = generate(input_ids=[prompt], sampling_params=params)
+        use_speculation(engine, old)
         assert out.token_ids == plain.token_ids, "verification must emit plain decoding's tokens"
         tokens += len(out.token_ids) - 1
-    engine.drafter = engine.loop.drafter = drafter
-    engine.loop.overlap_plain = overlap_plain
+    engine.loop.overlap = overlap_plain
     emitted = sum(a + 1 for _, a in steps)
     return TreeTrace(epoch, depth, nodes, samples, tokens, tuple(steps), tokens - emitted, fallback,
                      tuple(fallback_steps))
@@ -148,7 +150,7 @@ class AheadTrace:
     a step without drafts, `waited` whether the host read the device's last token before
     launching it (the device idles while the host drafts and launches: no overlap), `moved`
     the accepted drafts off the tree's leading chain, whose KV the engine moves into position
-    order after the step (step.py `_compact_path`)."""
+    order after the step (speculative/verify.py `_compact_path`)."""
 
     # "drain": a step that may draft waits for the token in flight; "ahead:E": it drafts ahead
     # of it where the ahead tree expects at least E accepted drafts, else runs plain;
@@ -166,19 +168,18 @@ def plain_futures(engine, generate, task, step: int, new: int, samples: int) -> 
     """(prompt, params, plain decoding's tokens) of each batch-1 sample at `step`, as the
     traces above run them."""
     from rollout import SamplingParams
+    from benchmarks.common.spec import plain_decoding
     from rollout.rl.grpo import sample_seed
 
-    drafter = engine.drafter
-    engine.drafter = engine.loop.drafter = None
     problems = task.problems(step, 8)
     out = []
-    for i in range(samples):
-        prompt = task.prompt_ids(problems[i % len(problems)], engine.tokenizer)
-        params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=sample_seed(1, step, i))
-        engine.flush_cache()
-        (plain,) = generate(input_ids=[prompt], sampling_params=params)
-        out.append((prompt, params, list(plain.token_ids)))
-    engine.drafter = engine.loop.drafter = drafter
+    with plain_decoding(engine):
+        for i in range(samples):
+            prompt = task.prompt_ids(problems[i % len(problems)], engine.tokenizer)
+            params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=sample_seed(1, step, i))
+            engine.flush_cache()
+            (plain,) = generate(input_ids=[prompt], sampling_params=params)
+            out.append((prompt, params, list(plain.token_ids)))
     return out
 
 

@@ -1,6 +1,6 @@
 """KVPool.copy_slots, the torch form against the one-launch kernel (rollout/kernels/kv_copy.py),
 on a Llama-3.1-8B-shaped pool (32 layers, 8 KV heads x 128, bf16, page 16): what a draft
-tree's accepted-path move (rollout/core/step.py `_compact_path`) and a fork's partial-page copy
+tree's accepted-path move (speculative/verify.py `_compact_path`) and a fork's partial-page copy
 cost the host and the device, in one run.
 
     python -m benchmarks.kernels.kv_copy [--moves 1 3 8 15] [--layers 32] [--tokens 65536]

@@ -1,7 +1,7 @@
 """Copy KV slots in every layer's pool buffers in one launch (KVPool.copy_slots on the GPU).
 
 A draft tree's accepted path is moved into position order after its verify step
-(rollout/core/step.py `_compact_path`), and a fork copies its leader's partial page
+(speculative/verify.py `_compact_path`), and a fork copies its leader's partial page
 (rollout/cache/manager.py). The torch form, `k[dst] = k[src]` per layer and buffer, is four
 ops a layer with a CPU index each: on a GPU every index is a blocking host-to-device copy, so
 a move costed 64 stream syncs and 128 launches on Llama-3-8B's 32 layers, all on the host

@@ -1,16 +1,27 @@
 """The engine's structured-output parts (compiler, mask builder), built at the first request
 that asks for a constraint, so an engine that never does pays nothing (not even importing
-xgrammar or indexing the vocabulary).
+xgrammar or indexing the vocabulary); and the step loop's grammar hook (rollout/core/hooks.py):
+which steps sample under grammars, their masks, each token's advance. Until a constrained
+request comes in, the hook answers as the null one does without looking at the requests.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import TYPE_CHECKING, Any
 
+from rollout.core.hooks import Grammar
 from rollout.structured.spec import GrammarSpec
 
+if TYPE_CHECKING:
+    import torch
 
-class StructuredOutput:
+    from rollout.request import Req
+    from rollout.structured.bitmask import TokenMask
+
+
+class StructuredOutput(Grammar):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], threads: int = 2) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -18,6 +29,7 @@ class StructuredOutput:
         self.threads = threads
         self._compiler: Any = None
         self._masks: Any = None
+        self._serving = False  # a constrained request came in: steps look for grammars from then on
 
     @property
     def compiler(self) -> Any:
@@ -50,4 +62,29 @@ class StructuredOutput:
 
         self.compiler.check(spec)
         future = self.compiler.submit(spec)
+        self._serving = True
         return [GrammarState(spec, future, self.stop_token_ids) for _ in range(n)]
+
+    # ---- the step loop's grammar hook ---------------------------------------------------
+    def constrained(self, reqs: list[Req]) -> bool:
+        return self._serving and any(r.grammar is not None for r in reqs)
+
+    def mask(self, reqs: list[Req], drafts: list[list[int]], device: torch.device) -> TokenMask | None:
+        """The masks of this step's constrained rows (their matchers have seen every token
+        emitted so far: with overlap, the previous step was read back first)."""
+        rows, at = [], 0
+        for req, mine in zip(reqs, drafts):
+            if req.grammar is not None and not req.finished:
+                rows.append((at, req.grammar, mine))
+            at += 1 + len(mine)
+        return self.masks.build(rows, at, device)
+
+    def accept(self, req: Req, token: int) -> bool:
+        return req.grammar is not None and req.grammar.accept(token)
+
+    def wait_for_compiles(self, waiting: Sequence[Req]) -> None:
+        """Sleep until one of the waiting requests' grammars is compiled (at most 50 ms)
+        instead of spinning against the compiling threads."""
+        pending = [r.grammar.compiled for r in waiting if r.grammar is not None and not r.grammar.ready()]
+        if pending:
+            wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)

@@ -108,5 +108,5 @@ def _run(llama: TinyModel, ref: PeftRef, seed: int, mode: str, trees: list[int] 
     assert tight.kv.req_table.num_free == tight.kv.req_table.max_requests, "request rows leaked"
     assert all(r == 0 for r in tight.lora.slot_refs), "slot references leaked"
     if speculative:
-        assert tight.drafter.tracked_requests() == 0
+        assert tight.speculation.drafter.tracked_requests() == 0
     return tight.counters

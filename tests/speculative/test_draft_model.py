@@ -42,7 +42,7 @@ def _engine(target: TinyModel, draft: str, **kw) -> Engine:
 
 def _draft_free(engine: Engine) -> bool:
     alloc = engine.draft.pool.allocator  # type: ignore[union-attr]
-    return alloc.num_free_slots == alloc.capacity_slots and not engine.drafter.seqs  # type: ignore[union-attr]
+    return alloc.num_free_slots == alloc.capacity_slots and not engine.speculation.drafter.seqs  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("which", ["self", "other"])

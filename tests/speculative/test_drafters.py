@@ -14,6 +14,7 @@ from speculative.base import PAUSE_STEPS
 from speculative.groups import HISTORY_PER_PROMPT
 from speculative.index import ContinuationIndex
 from speculative.ngram import NgramDrafter
+from speculative.speculator import Speculator
 from speculative.suffix import SHARED_TREE_NODES, SuffixDrafter
 
 
@@ -47,17 +48,19 @@ def test_ngram_drafter_prefers_the_longest_match() -> None:
 
 def test_propose_all_respects_limits_and_skips_requests_not_decoding() -> None:
     drafter = NgramDrafter(max_tokens=4, context_len=1000)
+    spec = Speculator(drafter)
     near_end = _req([1, 2, 1, 2, 1, 2], [1], rid="end", max_new=3)  # room for 1 draft + the token after it
     prefill = _req([1, 2, 1, 2], [], rid="prefill")
     prefill.num_computed_tokens = 1
-    drafter.propose_all([near_end, prefill])
+    spec.propose_all([near_end, prefill])
     assert near_end.draft_tokens == [2] and prefill.draft_tokens == []
 
 
 def test_draft_length_adapts_and_pauses() -> None:
     drafter = NgramDrafter(max_tokens=4, context_len=1000)
+    spec = Speculator(drafter)
     req = _req([1, 2] * 8, [1])
-    drafter.propose_all([req])
+    spec.propose_all([req])
     assert req.spec_k == 4 and len(req.draft_tokens) == 4
     drafter.observe_step(req, 4, 0)
     assert req.spec_k == 2
@@ -65,9 +68,9 @@ def test_draft_length_adapts_and_pauses() -> None:
     drafter.observe_step(req, 1, 0)
     assert req.spec_k == 1 and req.spec_pause == PAUSE_STEPS
     for _ in range(PAUSE_STEPS):
-        drafter.propose_all([req])
+        spec.propose_all([req])
         assert req.draft_tokens == []
-    drafter.propose_all([req])
+    spec.propose_all([req])
     assert len(req.draft_tokens) == 1
     drafter.observe_step(req, 1, 1)
     assert req.spec_k == 2
@@ -75,19 +78,20 @@ def test_draft_length_adapts_and_pauses() -> None:
 
 def test_suffix_drafter_uses_siblings_and_history_of_the_same_prompt_first() -> None:
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=10_000)
+    spec = Speculator(drafter)
     prompt = [50, 51, 52]
     done = _req(prompt, [10, 11, 12, 13, 14, 15], rid="earlier")
     drafter.observe_finished(done)  # an earlier rollout of this prompt
     drafter.observe_finished(_req([70], [10, 11, 12, 40, 41, 42], rid="elsewhere"))  # another prompt's, newer
     req = _req(prompt, [10, 11, 12], rid="now")
-    drafter.propose_all([req])
+    spec.propose_all([req])
     assert req.draft_tokens == [13, 14, 15], "the prompt's own rollouts come first"
     under_adapter = _req(prompt, [10, 11, 12], rid="adapter", lora="a")
-    drafter.propose_all([under_adapter])
+    spec.propose_all([under_adapter])
     assert under_adapter.draft_tokens == [], "an adapter's rollouts are not the base model's"
     sibling = _req(prompt, [20, 21, 22, 23, 24], rid="sibling")
     behind = _req(prompt, [20, 21], rid="behind")
-    drafter.propose_all([sibling, behind])
+    spec.propose_all([sibling, behind])
     assert behind.draft_tokens == [22, 23, 24]
 
 
@@ -96,20 +100,21 @@ def test_suffix_drafter_falls_back_on_other_prompts_rollouts_where_its_own_never
     """Only where the prompt's own index has no match, and (a tree as a chain) within
     SHARED_TREE_NODES; `may_draft_next` says so too, or a step would not wait for its token."""
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=10_000, cross_prompt=cross_prompt)
+    spec = Speculator(drafter)
     drafter.observe_finished(_req([50, 51], [10, 11, 12, 13, 14, 15], rid="earlier"))
     own = _req([60, 61], [7, 8, 9], rid="own-history")
     drafter.observe_finished(own)
     new = _req([60, 61], [10, 11, 12], rid="new")
-    drafter.propose_all([new])
+    spec.propose_all([new])
     assert new.draft_tokens == ([13, 14, 15] if cross_prompt else [])
     assert drafter.may_draft_next(_req([60, 61], [10, 11], rid="next")) == cross_prompt
     tokens, parents = drafter.propose_tree(_req([60, 61], [10, 11, 12], rid="tree"), 4, 32)
     assert (tokens, parents) == (([13, 14, 15], [-1, 0, 1]) if cross_prompt else ([], []))
     mine = _req([60, 61], [7, 8], rid="mine")
-    drafter.propose_all([mine])
+    spec.propose_all([mine])
     assert mine.draft_tokens == [9], "the prompt's own history matched: no fallback"
     nothing = _req([60, 61], [30, 31], rid="nothing")
-    drafter.propose_all([nothing])
+    spec.propose_all([nothing])
     assert nothing.draft_tokens == [] and not drafter.may_draft_next(nothing)
     for i in range(40):  # a bushy shared index: the fallback tree stays small
         drafter.observe_finished(_req([80 + i], [10, 11, 100 + i, 5], rid=f"bush{i}"))
@@ -132,11 +137,12 @@ def test_history_is_bounded_and_cleared_on_update_when_asked() -> None:
     assert drafter.history.group(_req([7], [])).index.counts((7, 1)) == {2: HISTORY_PER_PROMPT}
     assert drafter.history.shared(_req([7], [])).counts((1,)) == {2: HISTORY_PER_PROMPT}
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000, keep_on_update=False)
+    spec = Speculator(drafter)
     drafter.observe_finished(_req([1], [2, 3, 4]))
     drafter.on_weight_update()
     assert drafter.history.num_tokens == 0 and drafter.history.shared(_req([1], [])) is None
     after = _req([1], [2, 3], rid="after")
-    drafter.propose_all([after])
+    spec.propose_all([after])
     assert after.draft_tokens == [], "cleared: the earlier rollout drafts no more"
     keep = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000, keep_on_update=True)
     keep.observe_finished(_req([1], [2, 3, 4]))
@@ -150,20 +156,21 @@ def test_an_adapter_update_clears_that_adapters_history_only(keep: bool) -> None
     model's and other adapters' rollouts (same prompt) still draft. Either way the governor
     measures afresh."""
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000, keep_on_update=keep)
+    spec = Speculator(drafter)
     for lora in (None, "a", "b"):
         drafter.observe_finished(_req([1], [2, 3, 4], rid=f"done-{lora}", lora=lora))
-    drafter.governor.drafting = drafter.governor.probing = False  # held off by an earlier verdict
-    drafter.policy_changed("a")
-    assert drafter.governor.drafting and drafter.governor.probing
+    spec.governor.drafting = spec.governor.probing = False  # held off by an earlier verdict
+    spec.policy_changed("a")
+    assert spec.governor.drafting and spec.governor.probing
     drafts = {}
     for lora in (None, "a", "b"):
         req = _req([1], [2, 3], rid=f"new-{lora}", lora=lora)
-        drafter.propose_all([req])
+        spec.propose_all([req])
         drafts[lora] = req.draft_tokens
     assert drafts == {None: [4], "a": [4] if keep else [], "b": [4]}
     for lora in (None, "a", "b"):  # another prompt: the fallback on each namespace's rollouts
         req = _req([9], [2, 3], rid=f"other-{lora}", lora=lora)
-        drafter.propose_all([req])
+        spec.propose_all([req])
         drafts[lora] = req.draft_tokens
     assert drafts == {None: [4], "a": [4] if keep else [], "b": [4]}
     assert drafter.history.num_tokens == (12 if keep else 8)  # prompt + response, 4 tokens each
@@ -171,31 +178,33 @@ def test_an_adapter_update_clears_that_adapters_history_only(keep: bool) -> None
 
 def test_siblings_that_stop_running_take_their_counts_and_finished_ones_stay() -> None:
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1000)
+    spec = Speculator(drafter)
     prompt = [50, 51]
     aborted = _req(prompt, [1, 2, 3, 4], rid="aborted")
     finishing = _req(prompt, [1, 2, 5, 6], rid="finishing")
     me = _req(prompt, [9, 1, 2], rid="me")
-    drafter.propose_all([aborted, finishing, me])
+    spec.propose_all([aborted, finishing, me])
     group = drafter.history.group(me)
     assert group.index.counts((1, 2)) == {3: 1, 5: 1} and set(group.members) == {aborted, finishing, me}
     finishing.finish_reason = "length"
     drafter.observe_finished(finishing)
-    drafter.propose_all([me])  # `aborted` is gone without finishing (an abort, a retraction)
+    spec.propose_all([me])  # `aborted` is gone without finishing (an abort, a retraction)
     assert group.index.counts((1, 2)) == {5: 1}, "the aborted sample's counts left; the finished one is history"
     assert me.draft_tokens == [5, 6] and set(group.members) == {me}
 
 
 def test_a_sample_whose_prompt_is_evicted_while_it_runs_recounts_and_still_becomes_history() -> None:
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=12)
+    spec = Speculator(drafter)
     running = _req([1], [5, 6, 7], rid="running")
-    drafter.propose_all([running])
+    spec.propose_all([running])
     first = drafter.history.group(running)
     for i in range(3):  # other prompts' rollouts: the least recently used group goes first
         drafter.observe_finished(_req([50 + i], [1, 2, 3, 4, 5], rid=f"other{i}"))
     assert first.evicted
     running.output_ids += [5, 6]
     running.num_computed_tokens += 2
-    drafter.propose_all([running])
+    spec.propose_all([running])
     assert running.draft_tokens[:1] == [7], "its own tokens were counted again in a fresh group"
     assert drafter.history.group(running) is not first
     running.finish_reason = "length"
@@ -304,12 +313,13 @@ def test_a_probe_with_nothing_to_draft_holds_briefly_and_drafts_appearing_end_th
     from speculative.governor import CHECK_EVERY, SpeedGovernor
 
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=1 << 20)
-    gov = drafter.governor = SpeedGovernor(probe=2, hold_on=6, first_off=8, blocks=True)
+    spec = Speculator(drafter)
+    gov = spec.governor = SpeedGovernor(probe=2, hold_on=6, first_off=8, blocks=True)
     running = _req([1, 2], [5, 6], rid="second")
 
     def step(tokens_plain: int = 100, tokens_drafting: int = 90) -> bool:
         """One engine step as the loop runs it: proposals, then the step's speed."""
-        drafter.propose_all([running])
+        spec.propose_all([running])
         verified = bool(running.draft_tokens)
         gov.observe(1.0, tokens_drafting if gov.drafting else tokens_plain, verified=verified)
         return verified
@@ -379,7 +389,7 @@ def test_looks_during_a_hold_reprobe_only_when_drafts_spread() -> None:
         one.looked(found, 4, 64)
     assert one.probing and not one.drafting, "a probe at once (plain block first)"
     assert not one.check_due(), "no looks while probing"
-    assert DraftModelDrafter.look(object.__new__(DraftModelDrafter), [_req([1], [2])]) == (0, 0)
+    assert Speculator(object.__new__(DraftModelDrafter)).look([_req([1], [2])]) == (0, 0)
 
 
 def test_may_match_after_is_exactly_whether_some_next_token_matches() -> None:
@@ -398,6 +408,7 @@ def test_may_match_after_is_exactly_whether_some_next_token_matches() -> None:
         want = any(index.matches(context + [b], min_n) for b in range(vocab))
         assert index.may_match_after(context, min_n) == want, (trial, context, min_n)
     drafter = NgramDrafter(max_tokens=4, context_len=1000)
+    spec = Speculator(drafter)
     req = _req([1, 2, 3, 1], [2])  # ... 1, 2 | next: 3 would repeat (2, 3) -> drafts "1"
     assert drafter.may_draft_next(req)
     assert not drafter.may_draft_next(_req([1, 2, 3], [4])), "4 never came before: no bigram can start with it"
@@ -409,8 +420,8 @@ def test_may_match_after_is_exactly_whether_some_next_token_matches() -> None:
     assert not suffix.may_draft_next(_req([9], [7], rid="b")), "7 ended the history's rollout"
     first = _req([1, 2, 1, 2, 1], [])  # prefilled, its first token in flight: (1, next) may repeat (1, 2)
     first.num_inflight, first.num_computed_tokens = 1, 5
-    assert not drafter.nothing_to_draft([first]), "a request's first decode step can draft too"
-    assert drafter.nothing_to_draft([_req([1, 2, 3], [4])])
+    assert not spec.nothing_to_draft([first]), "a request's first decode step can draft too"
+    assert spec.nothing_to_draft([_req([1, 2, 3], [4])])
 
 
 _op = st.one_of(
@@ -427,12 +438,13 @@ def test_the_shared_index_always_counts_exactly_the_kept_responses(ops, bound: i
     cleared (a weight or adapter update), each namespace's shared index holds the counts
     of its kept responses, each after its prompt's tail, and nothing else."""
     drafter = SuffixDrafter(max_tokens=4, context_len=1000, history_tokens=bound, keep_on_update=keep)
+    spec = Speculator(drafter)
     history = drafter.history
     for i, (kind, prompt, lora, output) in enumerate(ops):
         if kind == "finish":
             drafter.observe_finished(_req([90, 91, prompt], output, rid=f"r{i}", lora=lora))
         else:
-            drafter.policy_changed(lora)
+            spec.policy_changed(lora)
         for namespace, shared in history._shared.items():
             expected = ContinuationIndex(shared.max_n)
             for group in history._groups.values():

@@ -66,8 +66,8 @@ def test_sampled_tokens_equal_plain_decoding_under_a_wrong_drafter(llama: TinyMo
                 for s in range(16)]
     plain = Engine(EngineConfig(model=llama.path))
     spec = Engine(EngineConfig(model=llama.path, speculative="ngram"))
-    spec.drafter = spec.loop.drafter = WrongDrafter(llama.vocab_size, 3)
-    spec.drafter.governor = None  # keep verifying wrong drafts: the test wants rejections
+    spec.speculation.drafter = WrongDrafter(llama.vocab_size, 3)
+    spec.speculation.governor = None  # keep verifying wrong drafts: the test wants rejections
     for params in settings:
         a = plain.generate(input_ids=prompts, sampling_params=params)
         b = spec.generate(input_ids=prompts, sampling_params=params)
@@ -136,9 +136,9 @@ def test_updates_restart_the_governor_and_honour_the_history_option(llama: TinyM
     prompts = _repetitive(llama.vocab_size, 2, seed=75)
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     engine.generate(input_ids=prompts, sampling_params=params, lora_name=["a", None])
-    history = engine.drafter.history
+    history = engine.speculation.drafter.history
     assert len(history) == 2
-    governor = engine.drafter.governor
+    governor = engine.speculation.governor
     governor.drafting = governor.probing = False
     engine.update_lora_adapter("a", _adapter(llama, 2).items())
     assert governor.drafting and governor.probing
@@ -174,7 +174,7 @@ def test_sampled_outputs_with_coupled_drafts_equal_plain_decoding(llama: TinyMod
     accepted = {}
     for coupled in (True, False):
         spec = Engine(EngineConfig(model=llama.path, speculative=drafter, speculative_governor=False))
-        spec.drafter.coupled = coupled
+        spec.speculation.drafter.coupled = coupled
         for params, a in zip(epochs, want):
             b = spec.generate(input_ids=prompts, sampling_params=params)
             assert [o.token_ids for o in b] == [o.token_ids for o in a]
@@ -221,14 +221,14 @@ def test_plain_steps_overlap_between_drafting_steps(llama: TinyModel, drafter: s
     kw = dict(model=llama.path, page_size=4, overlap_schedule=True)
     plain = Engine(EngineConfig(**kw))
     spec = Engine(EngineConfig(**kw, speculative=drafter))
-    assert spec.loop.overlap is False and spec.loop.overlap_plain is True
-    script = spec.drafter.governor = _Scripted()
+    assert spec.config.overlap is False and spec.loop.overlap is True  # drafting steps do not overlap; plain ones do
+    script = spec.speculation.governor = _Scripted()
     overlapped = []
     launch = spec.loop.sample
 
-    def sample(forwarded):
-        overlapped.append(spec.loop._overlapped)
-        return launch(forwarded)
+    def sample(forwarded, record_rows=None):
+        overlapped.append(record_rows is not None)  # an overlapped step keeps its tokens on the device
+        return launch(forwarded, record_rows)
 
     spec.loop.sample = sample
     for params in (greedy, sampled):
@@ -243,7 +243,7 @@ def test_plain_steps_overlap_between_drafting_steps(llama: TinyModel, drafter: s
     spec.flush_cache()
     assert spec.kv.used_slots() == 0 and spec.loop.inflight is None
     tight = Engine(EngineConfig(**kw, speculative=drafter, max_total_tokens=160))
-    tight.drafter.governor = _Scripted()
+    tight.speculation.governor = _Scripted()
     got = tight.generate(input_ids=prompts, sampling_params=sampled)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=sampled)]
     assert tight.counters.retractions > 0
@@ -287,9 +287,9 @@ def test_drafting_steps_with_nothing_to_draft_overlap(llama: TinyModel) -> None:
             for draftless_overlap in (True, False):
                 spec = Engine(EngineConfig(**kw, speculative="ngram", speculative_governor=False,
                                            **({} if max_total is None else {"max_total_tokens": max_total})))
-                spec.drafter = spec.loop.drafter = drafter = SparseDrafter(llama.vocab_size)
-                drafter.governor = None
-                spec.loop.overlap_draftless = draftless_overlap
+                spec.speculation.drafter = drafter = SparseDrafter(llama.vocab_size)
+                spec.speculation.governor = None
+                spec.speculation.draftless_overlap = draftless_overlap
                 got = spec.generate(input_ids=prompts, sampling_params=params)
                 assert [o.token_ids for o in got] == [o.token_ids for o in want]
                 for g, w in zip(got, want, strict=True):
@@ -319,9 +319,10 @@ def test_draftless_overlap_loses_no_draft_of_the_real_drafters(llama: TinyModel,
     for draftless_overlap in (True, False):
         engine = Engine(EngineConfig(model=llama.path, page_size=4, overlap_schedule=True, speculative=drafter,
                                      speculative_governor=False))
-        engine.loop.overlap_draftless = draftless_overlap
+        engine.speculation.draftless_overlap = draftless_overlap
         log: list[tuple] = []
-        d, propose_batch = engine.drafter, engine.drafter.propose_batch
+        d = engine.speculation.drafter
+        propose_batch = d.propose_batch
 
         def logged(wanted, propose_batch=propose_batch, log=log):
             out = propose_batch(wanted)

@@ -15,7 +15,8 @@ import torch
 from conftest import TinyModel, make_prompts
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.scheduler import Scheduler
-from tree_oracle import OracleTree
+from speculative.speculator import Speculator
+from tree_oracle import OracleTree, plug
 
 
 def _plain(engine: Engine, prompts, params) -> tuple[list, dict[tuple[int, ...], list[list[int]]]]:
@@ -29,7 +30,7 @@ def _plain(engine: Engine, prompts, params) -> tuple[list, dict[tuple[int, ...],
 def _tree_engine(llama: TinyModel, plain, **config) -> Engine:
     engine = Engine(EngineConfig(model=llama.path, speculative="ngram", speculative_governor=False,
                                  num_speculative_tokens=6, **config))
-    engine.drafter = engine.loop.drafter = OracleTree(plain, llama.vocab_size, 6, 12)
+    plug(engine, OracleTree(plain, llama.vocab_size, 6, 12))
     return engine
 
 
@@ -73,13 +74,13 @@ def test_trees_under_tight_kv_and_admission_equal_plain_decoding(llama: TinyMode
     params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, n=2, ignore_eos=True)
     want, plain = _plain(Engine(EngineConfig(model=llama.path, page_size=4)), prompts, params)
     chained = []
-    inner = Scheduler._trees_to_chains
+    inner = Speculator.trees_to_chains
 
-    def spy(self, extends):
-        chained.append(sum(r.draft_parents is not None for r, _ in extends))
-        inner(self, extends)
+    def spy(self, batch):
+        chained.append(sum(r.draft_parents is not None for r in batch.reqs[batch.num_decode :]))
+        inner(self, batch)
 
-    monkeypatch.setattr(Scheduler, "_trees_to_chains", spy)
+    monkeypatch.setattr(Speculator, "trees_to_chains", spy)
     engine = _tree_engine(llama, plain, page_size=4, max_total_tokens=100, max_running_requests=6)
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -95,20 +96,20 @@ def test_trees_only_where_the_attention_reads_slot_lists(llama: TinyModel) -> No
     engine = Engine(EngineConfig(model=llama.path, speculative="suffix", speculative_tree_nodes=8,
                                  speculative_governor=False))
     assert engine.runner.tree_rows_max() > 1000  # the torch backend, no graphs: any rows
-    drafter = engine.drafter
+    spec = engine.speculation
     prompt = [3, 4, 5, 6] * 6
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     seen: list[bool] = []
-    inner = drafter.propose_all
+    inner = spec.propose_all
 
     def record(running):
         inner(running)
         seen.extend(r.draft_parents is not None for r in running if r.draft_tokens)
 
-    drafter.propose_all = record
+    spec.propose_all = record
     plain = Engine(EngineConfig(model=llama.path)).generate(input_ids=[prompt], sampling_params=params)
     assert engine.generate(input_ids=[prompt], sampling_params=params)[0].token_ids == plain[0].token_ids
-    drafter.tree_rows = lambda: 0
+    spec.tree_rows = lambda: 0
     engine.flush_cache()
     trees = len(seen)
     assert engine.generate(input_ids=[prompt], sampling_params=params)[0].token_ids == plain[0].token_ids
@@ -144,7 +145,7 @@ def test_trees_beside_chunked_prefills_equal_plain_decoding(llama: TinyModel, mo
     engine = _tree_engine(llama, plain, **config)
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert engine.counters.verify_steps > 0 and engine.drafter.trees > 0
+    assert engine.counters.verify_steps > 0 and engine.speculation.drafter.trees > 0
     assert sum(met) > 0, "no prompt's last token was scheduled beside drafts"
     engine.flush_cache()
     assert engine.kv.used_slots() == 0

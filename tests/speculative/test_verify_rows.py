@@ -97,7 +97,7 @@ def test_real_graphs_verify_like_eager(llama: TinyModel, drafter: str) -> None:
 
 def _tree_engine(llama: TinyModel, prompts, params, **config) -> tuple[Engine, list]:
     """An engine whose drafter grows trees with plain decoding's continuation behind decoys."""
-    from tree_oracle import OracleTree
+    from tree_oracle import OracleTree, plug
 
     want = Engine(EngineConfig(model=llama.path, **config)).generate(input_ids=prompts, sampling_params=params)
     plain: dict = {}
@@ -105,8 +105,7 @@ def _tree_engine(llama: TinyModel, prompts, params, **config) -> tuple[Engine, l
         plain.setdefault(tuple(prompts[out.prompt_index]), []).append(out.token_ids)
     engine = Engine(EngineConfig(model=llama.path, speculative="ngram", speculative_governor=False,
                                  num_speculative_tokens=4, **config))
-    engine.drafter = engine.loop.drafter = OracleTree(plain, llama.vocab_size, 4, 8)
-    engine.drafter.tree_rows = engine.runner.tree_rows_max
+    plug(engine, OracleTree(plain, llama.vocab_size, 4, 8), engine.runner.tree_rows_max)
     return engine, want
 
 
@@ -126,7 +125,7 @@ def test_graph_twin_replays_tree_verify_steps(llama: TinyModel) -> None:
     calls = _count_rows(engine)
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert engine.counters.accepted_tokens > engine.counters.verify_steps > 0 and engine.drafter.trees > 0
+    assert engine.counters.accepted_tokens > engine.counters.verify_steps > 0 and engine.speculation.drafter.trees > 0
     assert calls[0] > 0 and graphs.num_replays >= calls[0]
 
 
@@ -153,7 +152,7 @@ def test_real_graphs_verify_trees(llama: TinyModel, attention: str, share: bool,
     replays = engine.runner.graphs.num_replays
     got = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert engine.counters.accepted_tokens > engine.counters.verify_steps > 0 and engine.drafter.trees > 0
+    assert engine.counters.accepted_tokens > engine.counters.verify_steps > 0 and engine.speculation.drafter.trees > 0
     assert engine.runner.graphs.num_replays > replays
     assert (engine.runner.graphs.num_shared_replays > 0) == share
 
@@ -189,7 +188,7 @@ def test_tree_rows_read_their_context_once(llama: TinyModel, group_any_rows, gra
         backend.attend = spy
         outs[share] = engine.generate(input_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in outs[share]] == [o.token_ids for o in want]
-        assert engine.drafter.trees > 0
+        assert engine.speculation.drafter.trees > 0
         if graphs:  # (a replay attends the graph's static batch)
             assert (engine.runner.graphs.num_shared_replays > 0) == share
         else:
