@@ -34,12 +34,18 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     whole = item.get_closest_marker("whole_gpu") is not None
     with _GPU_LOCK.hold(exclusive=whole):
+        if whole:  # what earlier tests of this process left in reference cycles is freed now, not mid-test
+            _release_cuda_memory()
         try:
             return (yield)
         finally:
             if whole:  # what it cached goes back to the device, for the tests after it
-                gc.collect()
-                torch.cuda.empty_cache()
+                _release_cuda_memory()
+
+
+def _release_cuda_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
 
 _COMMON = dict(
     vocab_size=160,
