@@ -11,9 +11,10 @@ launch of its own, rotary_kv_store), and SiLU-mul as the gate_up GEMV's epilogue
 (default) or `nosilu` (its own kernel, silu_epilogue), and the rotary with the K/V store as
 the qkv GEMV's epilogue: `rope` (default) or `norope` (the rotary's own launch,
 rope_epilogue); `variant_options` makes the engine's KernelOptions of one.
-`auto:skinny:pdl-mm:store:nosilu:norope` is session 6's engine, `auto:skinny:pdl:rotary:silu:norope`
-session 7's. Each variant is its own engine, built after the previous one is gone; repeat one
-to see the drift of a call.
+`auto:skinny:pdl-mm:store:nosilu:norope` is the engine of BENCHMARKS.md's "Batch 1, H200, 2026-12-01
+(issue #16 (b)): a one-row GEMV, PDL, ...", `auto:skinny:pdl:rotary:silu:norope` the one of its next
+section ("... the K/V store inside the rotary, ..."). Each variant is its own engine, built after the
+previous one is gone; repeat one to see the drift of a call.
 
     python -m benchmarks.batch1 [--variants auto:skinny:pdl auto:skinny:pdl-mm:store auto:skinny:pdl]
     python -m benchmarks.batch1 --device cpu --shape tiny --steps 8   # smoke run (no device span)

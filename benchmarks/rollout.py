@@ -228,7 +228,7 @@ def main() -> None:
     for flag, what in (
         ("--skinny", "the skinny matmul at batch 1 (KernelOptions.skinny_matmul) or cuBLAS"),
         ("--rotary-store", "K/V stored in the rotary's launch, and PDL for the rotary and the Triton decode kernels "
-                           "(on), or neither (off: session 6's engine)"),
+                           "(on), or neither (off: the engine of H200, 2026-12-01, before the rotary stored K/V)"),
         ("--silu-epilogue", "batch 1: SiLU-mul as the gate_up GEMV's epilogue (KernelOptions.silu_epilogue) or "
                             "its own kernel"),
         ("--rope-epilogue", "batch 1: the rotary and the K/V store as the qkv GEMV's epilogue "
@@ -386,7 +386,7 @@ def main() -> None:
                  f"{', prefixes unshared' if share == 'off' else ''}{f', {blas}' if blas != 'default' else ''}")
         # no local name for the graphs: they hold the model and the KV pool, and a name left
         # over kept the last engine's memory allocated while the next one was built (an H100
-        # ran out of memory: BENCHMARKS.md, session 22)
+        # ran out of memory: BENCHMARKS.md, "H100, 2026-12-07 ...: the BLAS paths at M = 256, ...")
         n_graphs = None if engine.runner.graphs is None else len(engine.runner.graphs.graphs)
         print(f"engine ({label}): KV capacity {engine.kv.capacity} tokens, built in {started:.1f} s"
               f"{f' ({n_graphs} decode graphs)' if n_graphs is not None else ''}", flush=True)

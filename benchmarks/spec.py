@@ -453,7 +453,7 @@ def main() -> None:
                              "(KernelOptions.small_decode_rows; default: as the engine has it)")
     parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
                         help="--gpu: EngineConfig(shared_prefix_attention=False): a verify's rows each read the "
-                             "request's context (as before session 20)")
+                             "request's context (as before H100, 2026-12-07)")
     parser.add_argument("--profile-draft", action="store_true", help="--gpu: cProfile a draft-model run at the first batch")
     parser.add_argument("--accepted", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0],
                         help="mean accepted lengths to turn GPU step costs into speedups (measure them on CPU)")

@@ -5,13 +5,13 @@ projection's input, the expand ``y += h B^T`` needs the base output. So the hook
 two halves around the base matmul: `begin(x)` launches the shrink, `finish(h, y)` the
 expand. In a decode CUDA graph (`LoraPool.concurrent`, set by the capture's plan) the
 shrink runs on a side stream, forked after x is ready and joined before the expand: it
-overlaps the base GEMM (10-60 us at batch 1 on Llama-3-8B, against a few us of shrink), so
+overlaps the base GEMM, which even at batch 1 takes several times as long as the shrink, so
 a decode step's critical path carries one LoRA launch per projection, not two. Outside
 graphs the halves run in order on the current stream: forking costs host time per call,
-and a long prefill's shrink is small beside its GEMM anyway. Graphs of more than 192 rows
-run in order too: their GEMMs fill the GPU, and the branch only delays them (+0.4 to +1.2
-ms a step at 512 rows on Llama-3-8B, `lora.pool.CONCURRENT_MAX_ROWS`). The pool's KernelOptions
-say which kernels run (lora.ops takes them).
+and a long prefill's shrink is small beside its GEMM anyway. Graphs of more than
+`lora.pool.CONCURRENT_MAX_ROWS` rows run in order too: their GEMMs fill the GPU, and the
+branch only delays them (BENCHMARKS.md, multi-LoRA, "H200, 2026-12-01: no side stream past
+192 rows"). The pool's KernelOptions say which kernels run (lora.ops takes them).
 
 Streams and memory: h is allocated on the side stream and read on the main one. Each
 begin() first makes the side stream wait for the main stream, so a later shrink that
@@ -19,27 +19,29 @@ reuses h's memory (the caching allocator hands a freed block back to the stream 
 allocated it) is ordered after the expand that read it; captures take every allocation
 from the graph's pool the same way.
 
-Deferred deltas (`begin(x, defer=True)`, small batches in a graph): the expand also runs
-on the side stream, into a zeroed fp32 delta [T, out] instead of into y, and `finish`
-hands the delta to the caller, whose next kernel (the add-RMSNorm, SiLU-mul or rotary
-that consumes y) adds it on load. At batch 1 the side work (shrink, memset, expand) fits
-under the base GEMV, so the critical path carries no LoRA launch at all: the in-place
-expand cost 0.58 ms of a 4.8 ms step on Llama-3-8B (128 launches), each waiting for its
-GEMM. The consumer computes round(y + delta) exactly as the in-place expand's
-round(y + acc) (the delta is acc, summed onto an fp32 zero), so both paths are bit-equal.
-At large batches the fp32 delta's extra traffic would cost more than a launch saves, so
-only up to `LoraPool.defer_max_rows` rows defer; the rest expand in place as before.
+Deferred deltas (`begin(x, defer=True)`, small batches in a graph): the expand also runs on
+the side stream, into a zeroed fp32 delta [T, out] instead of into y, and `finish` hands the
+delta to the caller, whose next kernel (the add-RMSNorm, SiLU-mul or rotary that consumes y)
+adds it on load. At batch 1 the side work (shrink, memset, expand) fits under the base GEMV,
+so the critical path carries no LoRA launch at all, where the in-place expand put one launch
+per projection on it, each waiting for its GEMM (BENCHMARKS.md, multi-LoRA, "H200,
+2026-12-01: where batch 1's adapter cost goes"). The consumer computes round(y + delta)
+exactly as the in-place expand's round(y + acc) (the delta is acc, summed onto an fp32
+zero), so both paths are bit-equal. At large batches the fp32 delta's extra traffic would
+cost more than a launch saves, so only up to `LoraPool.defer_max_rows` rows defer; the rest
+expand in place as before.
 
 One row (`one_row`, a batch-1 step on the skinny GEMV): neither half runs apart. The side
 stream lost there: the GEMV's thousands of programs, launched early under PDL, took every SM
-before the shrink could start (5.56 ms a Llama-3-8B step with one adapter against 4.03
-without, BENCHMARKS.md multi-LoRA "session 8"). Instead the shrink is one small kernel on
-the main stream (lora/kernels/row.py) and the expand is the GEMV's epilogue
-(rollout/kernels/low_rank.py), so the projection stays one launch plus the shrink, and the
-epilogues after it (SiLU-mul, the rotary with the K/V store) still fold in: 4.47 ms a step
-with one adapter against 4.07 without (BENCHMARKS.md, "session 9"). (The shrink as the GEMV's
-own first programs, the others waiting for them, was measured and dropped: 4.89 ms; so was
-the qkv and gate_up shrink as extra programs of the add-RMSNorm before them: no gain.)
+before the shrink could start, so the shrink waited for the whole GEMV (BENCHMARKS.md,
+multi-LoRA, "H200, 2026-12-02: (a) without compiles in the timing; batch 1 behind the skinny
+GEMV"). Instead the shrink is one small kernel on the main stream (lora/kernels/row.py) and
+the expand is the GEMV's epilogue (rollout/kernels/low_rank.py), so the projection stays one
+launch plus the shrink, and the epilogues after it (SiLU-mul, the rotary with the K/V store)
+still fold in (BENCHMARKS.md, multi-LoRA, "H200, 2026-12-02: batch 1, the adapter's expand in
+the GEMV's epilogue"). Two other layouts were measured there and dropped: the shrink as the
+GEMV's own first programs, the others waiting for them (slower), and the qkv and gate_up
+shrink as extra programs of the add-RMSNorm before them (no gain).
 """
 
 from __future__ import annotations

@@ -35,15 +35,16 @@ from rollout.model.parallel import take_shard
 
 
 # Defaults of the pool's KernelOptions fields (lora_defer_max_rows, lora_concurrent_max_rows).
-# Deferred deltas up to this many rows. H200, Llama-3-8B, rank 16, the 4 projections x 32
-# layers in one graph (python -m benchmarks.kernels.sgmv --only step), added ms in place ->
-# deferred: 1 row +0.73 -> +0.38; 16 rows x 1 adapter +0.81 -> +0.50, x 8 adapters 1.29 ->
-# 1.33; 64 rows 1.12 -> 1.43 (the side stream's work then outlasts the GEMMs it hides under).
+# Deferred deltas up to this many rows: at small batches the side stream's shrink, memset and
+# expand hide under the base GEMMs, and the consumer's add replaces an expand launch on the
+# critical path; with more rows the side stream's work outlasts the GEMMs it hides
+# under and the fp32 delta's traffic costs more than the launch saves (python -m
+# benchmarks.kernels.sgmv --only step; BENCHMARKS.md, multi-LoRA, "H200, 2026-12-01: deferred
+# deltas, no LoRA kernel on batch 1's critical path").
 DEFER_MAX_ROWS = 16
-# The side stream itself (concurrent shrinks) up to this many rows. Same bench, two H200s,
-# side+pdl minus in order, added ms (1 / 8 adapters): 128 rows -0.20 / -0.18; 192 rows 0.00 /
-# -0.02; 256 rows -0.09 / +0.05 and +0.14 / +0.11; 320 rows +0.47 / +0.38; 512 rows +1.23 /
-# +1.18 and +0.56 / +0.40. Past ~200 rows the GEMMs fill the GPU and the branch only delays them.
+# The side stream itself (concurrent shrinks) up to this many rows. Past about 200 rows the
+# GEMMs fill the GPU and the branch only delays them (the same bench; BENCHMARKS.md, multi-LoRA,
+# "H200, 2026-12-01: no side stream past 192 rows").
 CONCURRENT_MAX_ROWS = 192
 
 

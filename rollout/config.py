@@ -38,22 +38,24 @@ class EngineConfig:
     attention: str = "auto"
     # CUDA graphs for decode-only steps, batch sizes 1..min(max_running_requests,
     # cuda_graph_max_bs) (padded up a ladder). 512 covers a GRPO batch of 64 prompts x 8
-    # samples: on an H200 (8B shape) its 512-row steps ran eager at 256, and the workload
-    # gave 9870-12592 tok/s across runs; with graphs to 512, 12862-13059 (BENCHMARKS.md).
+    # samples, whose steps would otherwise run eager: measured faster and steadier on GPU as
+    # graph replays (BENCHMARKS.md, "H200, 2026-12-01: nothing compiles inside a timing, graphs
+    # to 512 rows").
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 512
     # Decode rows whose KV starts with the same tree-owned prompt prefix (GRPO's n samples)
     # attend that prefix once per group (rollout/attention/shared_prefix.py), where the
     # backend can (Triton decode; `auto` on CUDA). On, decode graphs get a variant with it per
-    # size. H100 (8B shape, 64 prompts x n=8, 1024 in / 256 out): 13580-13636 against 12121
-    # tok/s without (BENCHMARKS.md, "Shared-prefix decode"). In steps of at least 49 rows a
+    # size. Measured faster on GPU for GRPO's n samples of a prompt (BENCHMARKS.md, "GRPO's
+    # decode step: shared-prefix attention and the sampler's race"). In steps of at least 49 rows a
     # verify's rows (a chain's positions, a draft tree's nodes) read their request's context
     # once per group too (shared_prefix.SPAN_MIN_ROWS).
     # False: each row reads its KV whole.
     shared_prefix_attention: bool = True
     # Schedule and launch step t+1 before reading step t's tokens back (the host work of one
-    # step hides behind the device work of the next). None: on for CUDA (measured on an H200:
-    # batch-1 decode 6.4 -> 4.9 ms per step), off on CPU, where the "device" is the host.
+    # step hides behind the device work of the next). None: on for CUDA (measured faster on GPU,
+    # most at batch 1, where the host's work is a large share of a step: BENCHMARKS.md, "Run 3
+    # (H200, 2026-11-29): ..."), off on CPU, where the "device" is the host.
     overlap_schedule: bool | None = None
     # "auto": weights from the checkpoint's safetensors; "dummy": random weights of the
     # shapes in config.json, made on the device (benchmarks of large shapes, no download).
@@ -102,7 +104,8 @@ class EngineConfig:
     # Batch-invariant, repeatable results (rollout/kernels/batch_invariant.py, attention/
     # deterministic_backend.py): a request's tokens and log-probs, bit for bit, do not depend on
     # what else is batched, prefill chunking, prefix-cache hits or retraction, and equal the
-    # trainer-side recompute of rollout/rl/onpolicy.py. Costs speed (BENCHMARKS.md); off by default.
+    # trainer-side recompute of rollout/rl/onpolicy.py. Costs speed (BENCHMARKS.md, "Deterministic
+    # mode"); off by default.
     deterministic: bool = False
     # which of q/k/v/o/gate/up/down_proj adapters may target (slots are allocated for these)
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -223,7 +226,8 @@ class EngineConfig:
         """Overlap scheduling for steps that draft nothing because the speculation governor
         turned drafting off (and for every step without speculation): plain decoding as fast
         as it runs without speculation, which is what "never slower than off" is against
-        (H200, batch 1: 4.37 ms a step with overlap, 5.08 without; BENCHMARKS.md)."""
+        (a batch-1 step is measurably faster with overlap: BENCHMARKS.md, speculative decoding,
+        "H200, 2026-12-02: the verify cost re-measured ...")."""
         return self.device.startswith("cuda") if self.overlap_schedule is None else self.overlap_schedule
 
     @property

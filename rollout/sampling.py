@@ -80,8 +80,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 def race(processed: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """[B] the exponential race's winners: argmax p / E == argmax (log p - log E), E = -log U
     ~ Exp(1); filtered tokens (-inf) never win. On CUDA one Triton launch (kernels/race.py),
-    the same tokens bit for bit: 0.26 ms at 512 rows of a 128k vocabulary on an H100, against
-    6.6 ms for the torch ops below (14 ms when they ran in int64 lanes), which run elsewhere
+    the same tokens bit for bit: the torch ops below, a dozen elementwise passes over
+    [rows, vocab], are a large share of a sampled step at RL batch sizes (BENCHMARKS.md,
+    "GRPO's decode step: shared-prefix attention and the sampler's race"). They run elsewhere
     and are its reference. `fused`: KernelOptions.fused (None: the kernel on CUDA tensors)."""
     if kernels.use_fused(processed, fused):
         from rollout.kernels.race import race_argmax

@@ -23,11 +23,13 @@ wait is plain decoding's (`observe_drain`), and it lands before the decision.
 
 A probe whose drafting is clearly losing ends early: once each mode has EARLY_STEPS steps,
 drafting at under LOSING of plain's rate is switched off without the rest of the probe. Each
-poor drafting step costs a verify step's price (1.2-2.3x a decode step on an H200, several
-times one on a CPU: BENCHMARKS.md), and a poor case now pays 2 of them a probe, not 4. One
-that is hopeless (under HOPELESS of plain's rate: a batch-64 verify of 4 wrong drafts on the
-H200 runs at 0.44) ends after one drafting step once plain decoding has its EARLY_STEPS, holds
-plain decoding twice as long, and its next hold grows 4x, not 2x.
+poor drafting step costs a verify step's price (more than a decode step on a GPU, several
+times one on a CPU: BENCHMARKS.md, speculative decoding), and a poor case now pays 2 of them
+a probe, not 4. One that is hopeless (under HOPELESS of plain's rate, as a large batch's
+verify of only wrong drafts is on a GPU: BENCHMARKS.md, speculative decoding, "H200,
+2026-12-02: the verify step's host time; ...") ends after one drafting step once plain
+decoding has its EARLY_STEPS, holds plain decoding twice as long, and its next hold grows
+4x, not 2x.
 
 A probe whose drafting block verified nothing at all (blocks only: no request had a draft)
 says nothing about drafts, only that there were none; plain decoding then holds FIRST_OFF
@@ -40,8 +42,8 @@ that run), drafts found for clearly more of them than the probe's drafting steps
 that share, and a quarter of the requests more: 4 of 16 after an idle verdict) start a probe
 at once (`looked`). Wrong drafts everywhere (the share the probe lost with) never re-probe
 early, nor does one request of 64 whose context happens to repeat. Before this, a run whose
-drafts appeared late sat out a doubled hold: on the H200, batch 16 and 64 with every later
-draft right verified none in 257 steps (BENCHMARKS.md, speculative decoding, session 13).
+drafts appeared late sat out a doubled hold and verified none of them (BENCHMARKS.md,
+speculative decoding, "H200, 2026-12-02: the governor when drafts appear late").
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ of siblings and earlier rollouts. (A suffix tree would match suffixes of any len
 Where the prompt's own samples have never continued the context, the drafter falls back on
 the other prompts' earlier rollouts (`cross_prompt`; groups.py `History.shared`), as
 SuffixDecoding's global tree does: phrasing a policy repeats across prompts (" equals ",
-", which is") drafts there. On the second-epoch GRPO trace this drafts in 58 of the 83
-batch-1 steps that had no draft (BENCHMARKS.md, session 19). The fallback's trees are kept
+", which is") drafts there: on the second-epoch GRPO trace it drafts in most of the batch-1
+steps that had no draft (BENCHMARKS.md, speculative decoding, "2026-12-07: drafting from other
+prompts' rollouts where a prompt's own never continued"). The fallback's trees are kept
 to SHARED_TREE_NODES: its matches are weaker, and each node is a verify row.
 """
 

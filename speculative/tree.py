@@ -140,7 +140,8 @@ def split_ahead(tree: DraftTree) -> DraftTree:
 
     Measured, not built into the engine: on the second-epoch GRPO trace such verifies gain
     nothing over waiting for the token (benchmarks/common/spec_tree.py batch1_ahead_trace;
-    BENCHMARKS.md, speculative decoding, session 17)."""
+    BENCHMARKS.md, speculative decoding, "2026-12-06: the batch-1 trace step by step; trees
+    drafted ahead of the token in flight, measured and not built")."""
     out = DraftTree()
     index: dict[int, int] = {}  # node of `tree` -> node of the merge
     child: dict[tuple[int, int], int] = {}  # (parent in the merge, token) -> node of the merge

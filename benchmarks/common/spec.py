@@ -58,7 +58,7 @@ def plain_decoding(engine) -> Iterator[None]:
 
 
 # H200, Llama-3.1-8B shape, bf16, ms per step (BENCHMARKS.md, "the verify step's host time",
-# 2026-12-02, second session): batch -> (decode with overlap on, verify k = 1..K as decode rows
+# 2026-12-02): batch -> (decode with overlap on, verify k = 1..K as decode rows
 # in a CUDA graph). Batch 1's verify rows now attend with the Triton decode kernel, which needs
 # no host plan (rollout.attention.SMALL_DECODE_ROWS): 5.23-5.62 ms against 6.45-6.98 the same
 # morning. Batch 64's 64 x (1 + k) rows are past that range (FlashInfer, as before). Batch 64
@@ -92,7 +92,7 @@ def batch1_trace_speedup(verifies: list[int], plain_steps: int, decode_steps: in
 
 
 # H200, batch-1 verify steps of draft trees (`benchmarks.spec --gpu --batches 1 4 --max-k 8 --tree-nodes 8
-# 16 24 32 47`, 2026-12-06, session 16; BENCHMARKS.md "draft trees"): rows -> ms. The same call's
+# 16 24 32 47`, 2026-12-06; BENCHMARKS.md "draft trees"): rows -> ms. The same call's
 # chain of 8 drafts took 5.53 ms and its decode 4.36 / 5.08 ms (overlap on / off).
 H200_TREE_MS: dict[int, float] = {9: 5.63, 17: 6.03, 25: 6.06, 33: 6.49, 48: 6.52}
 
@@ -122,29 +122,30 @@ def verify_ms(rows: int) -> float:
 # 2 / 5 / 9: chains of 1 / 4 / 8 drafts, 9 the mean of the chain's and the 8-node tree's; then
 # the trees), and plain decode with overlap on: the host gap a step launched ahead of the read
 # back saves is the difference, 0.72 ms.
-H200_S16_ROWS_MS: dict[int, float] = {1: 5.08, 2: 5.51, 5: 5.85, 9: 5.58, 17: 6.03, 25: 6.06, 33: 6.49, 48: 6.52}
-H200_S16_DECODE_MS = 4.36
-# H100 80GB HBM3, session 17 (`benchmarks.spec --gpu --batches 1 --max-k 8 --no-eager --no-draft-model
+H200_2026_12_06_ROWS_MS: dict[int, float] = {1: 5.08, 2: 5.51, 5: 5.85, 9: 5.58, 17: 6.03, 25: 6.06, 33: 6.49,
+                                             48: 6.52}
+H200_2026_12_06_DECODE_MS = 4.36
+# H100 80GB HBM3, 2026-12-06 (`benchmarks.spec --gpu --batches 1 --max-k 8 --no-eager --no-draft-model
 # --tree-nodes 16 32 47`, BENCHMARKS.md): chains of 1..8 drafts, then trees
-H100_S17_ROWS_MS: dict[int, float] = {1: 6.04, 2: 6.66, 3: 6.78, 4: 6.72, 5: 6.90, 6: 6.90, 7: 6.91, 8: 6.90, 9: 7.01,
-                                      17: 7.43, 33: 7.91, 48: 7.95}
-H100_S17_DECODE_MS = 5.81
+H100_2026_12_06_ROWS_MS: dict[int, float] = {1: 6.04, 2: 6.66, 3: 6.78, 4: 6.72, 5: 6.90, 6: 6.90, 7: 6.91, 8: 6.90,
+                                             9: 7.01, 17: 7.43, 33: 7.91, 48: 7.95}
+H100_2026_12_06_DECODE_MS = 5.81
 # A verify whose accepted path left its tree's leading chain moves that path's KV into
 # position order (speculative/verify.py `_compact_path`): one launch for every layer (rollout/kernels/
 # kv_copy.py), 0.13 ms host and device for 1-15 moved tokens on an H100 (`python -m
-# benchmarks.kernels.kv_copy`, session 20, BENCHMARKS.md; the torch form it replaced: 2.3 ms).
+# benchmarks.kernels.kv_copy`, 2026-12-07, BENCHMARKS.md; the torch form it replaced: 2.3 ms).
 KV_MOVE_MS = 0.13
 
 
-def ahead_trace_speedup(steps, tokens: int, table: dict[int, float] = H200_S16_ROWS_MS,
-                        decode_ms: float = H200_S16_DECODE_MS, move_ms: float = 0.0) -> float:
+def ahead_trace_speedup(steps, tokens: int, table: dict[int, float] = H200_2026_12_06_ROWS_MS,
+                        decode_ms: float = H200_2026_12_06_DECODE_MS, move_ms: float = 0.0) -> float:
     """Batch-1 decode speedup from a replayed trace (spec_tree.batch1_ahead_trace): each
     (rows, accepted, waited[, moved]) step at the table's cost for its rows (overlap off: the
     step waited for a read back), less the host gap (the table's 1 row against `decode_ms`,
     plain decoding with overlap on) where it was launched before the step it follows was
     read, plus `move_ms` for a verify whose accepted path left the tree's leading chain (the
     KV move after it, which the table's fixed trees never make); against plain decoding for
-    the same tokens. The H200's session-16 table by default."""
+    the same tokens. The H200's table of 2026-12-06 by default."""
     gap = table[1] - decode_ms
     cost = sum(_rows_ms(rows, table) - (0.0 if waited else gap) + (move_ms if rest and rest[0] else 0.0)
                for rows, _, waited, *rest in steps)

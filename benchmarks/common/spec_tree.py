@@ -244,8 +244,8 @@ def batch1_ahead_trace(drafter, futures, depth: int, nodes: int, mode: str) -> A
 
 
 def ahead_summary(t: AheadTrace) -> str:
-    from benchmarks.common.spec import (H100_S17_DECODE_MS, H100_S17_ROWS_MS, H200_S16_DECODE_MS, KV_MOVE_MS,
-                                    ahead_trace_speedup)
+    from benchmarks.common.spec import (H100_2026_12_06_DECODE_MS, H100_2026_12_06_ROWS_MS, H200_2026_12_06_DECODE_MS,
+                                        KV_MOVE_MS, ahead_trace_speedup)
 
     verifies = [(r, a) for r, a, *_ in t.steps if r > 1]
     plain = len(t.steps) - len(verifies)
@@ -256,10 +256,12 @@ def ahead_summary(t: AheadTrace) -> str:
             f"({sum(a for _, a in verifies) / max(len(verifies), 1):.2f} accepted each, "
             f"{sum(r - 1 for r, _ in verifies) / max(len(verifies), 1):.1f} nodes each), {plain} without drafts, "
             f"{waited} waited for the token in flight, {moving} verifies moved KV; drafting {t.draft_ms:.3f} ms a call (this CPU); "
-            f"batch-1 decode speedup on the H200's step costs (session 16) {ahead_trace_speedup(t.steps, t.tokens):.2f}x, "
-            f"the H100's (session 17) {ahead_trace_speedup(t.steps, t.tokens, H100_S17_ROWS_MS, H100_S17_DECODE_MS):.2f}x; "
+            f"batch-1 decode speedup on the H200's step costs (2026-12-06) "
+            f"{ahead_trace_speedup(t.steps, t.tokens):.2f}x, "
+            f"the H100's (2026-12-06) "
+            f"{ahead_trace_speedup(t.steps, t.tokens, H100_2026_12_06_ROWS_MS, H100_2026_12_06_DECODE_MS):.2f}x; "
             f"H200 with {KV_MOVE_MS} ms a KV move and the drafting time on every waited step "
-            f"{_charged(t, H200_S16_DECODE_MS, KV_MOVE_MS):.2f}x")
+            f"{_charged(t, H200_2026_12_06_DECODE_MS, KV_MOVE_MS):.2f}x")
 
 
 def _charged(t: AheadTrace, decode_ms: float, move_ms: float) -> float:

@@ -4,7 +4,8 @@ LoRA term, compiled for the H100/H200 (sm_90a) on this machine: no GPU needed.
 The GEMV is latency-bound: what keeps HBM busy is how many programs an SM holds, and at two
 warps a program that is set by registers (65536 an SM). The term's h and B rows held through
 the K loop took 168 registers against the plain GEMV's 128: 6 programs an SM instead of 8 on
-every projection of a batch-1 LoRA step (BENCHMARKS.md, multi-LoRA "session 15").
+every projection of a batch-1 LoRA step (BENCHMARKS.md, multi-LoRA, "H100, 2026-12-06: where batch
+1's adapter cost goes, ...").
 
     python -m benchmarks.diagnostics.gemv_regs
 

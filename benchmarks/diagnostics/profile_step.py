@@ -3,7 +3,7 @@
 Fills the engine to a steady decode state (random bf16 weights of a benchmark shape), then
 times N steps split into host phases (schedule, prepare, forward, sample + bookkeeping) and
 profiles them with torch.profiler, printing the kernels by total device time. Meant as the
-first command of a GPU session chasing the roofline gap in BENCHMARKS.md.
+first command of a GPU run chasing the roofline gap in BENCHMARKS.md.
 
     python -m benchmarks.diagnostics.profile_step [--shape llama8b] [--batch 256] [--input-len 512] [--steps 20]
     python -m benchmarks.diagnostics.profile_step --prefill --batch 16 --input-len 1024   # the prefill steps instead

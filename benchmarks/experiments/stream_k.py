@@ -4,11 +4,12 @@ of an M = 256 GEMM fill every SM instead of leaving part of a last wave idle (th
 why: stream_k_triton.py). Triton with TMA descriptors, so Hopper and later on a GPU; on CPU
 the interpreter runs it (tests).
 
-`linear(x, w, config)` is the whole interface; `config.programs = 0` runs one program per
-tile (no K cut: the plain tiled kernel, the comparison benchmarks.kernels.gemm makes). The engine does not
-use it: on an H100 it was slower than cuBLAS at every decode shape (a step's projections at
-M = 256: 9.7 against 7.1 ms; BENCHMARKS.md, "session 24"), so it lives as benchmarks.kernels.gemm's
-`--triton` variants, the measured answer to "would balancing the last wave pay?"."""
+`linear(x, w, config)` is the whole interface; `config.programs = 0` runs one program per tile
+(no K cut: the plain tiled kernel, the comparison benchmarks.kernels.gemm makes). The engine
+does not use it: on an H100 it was slower than cuBLAS at every decode shape (a step's
+projections at M = 256: 9.7 against 7.1 ms; BENCHMARKS.md, H100, 2026-12-07, "... a stream-K
+GEMM"), so it lives as benchmarks.kernels.gemm's `--triton` variants, the measured answer to
+"would balancing the last wave pay?"."""
 
 from __future__ import annotations
 

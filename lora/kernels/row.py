@@ -25,7 +25,9 @@ from rollout.kernels.low_rank import MAX_SPLIT
 
 __all__ = ["BLOCK_K", "shrink_row", "splits"]
 
-BLOCK_K = 512  # K per program: one [BLOCK_R, BLOCK_K] load of A (launch shapes: BENCHMARKS.md, multi-LoRA session 13)
+# K per program: one [BLOCK_R, BLOCK_K] load of A (launch shapes: BENCHMARKS.md, multi-LoRA,
+# "H200, 2026-12-02: the one-row shrink's launch shape, in the engine")
+BLOCK_K = 512
 _BLOCK_R = 16  # rank columns per program
 NUM_WARPS = 4  # per program; BLOCK_K and this are read at each launch (benchmarks/kernels/lora_row.py sweeps them)
 # Under the interpreter (CPU tests), K blocks this wide so several splits run on tiny shapes.

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 __all__ = ["ExpandTiling", "ShrinkTiling", "block_m_for", "expand_tiling", "shrink_tiling"]
 
-DEFAULT_NUM_SMS = 132  # H100 / H200; the launcher passes the device's own count
-# Measured on the H200 (8B, rank 16, one decode step's LoRA ops in a graph, python -m
-# benchmarks.kernels.sgmv --only step --split-k N): batch 1 2.15 ms with up to 64 splits, 1.20 with 4,
-# 1.09 with 8; batch 16 x 8 adapters 3.05 / 1.59 / 1.95; batch 256 x 8: 2.56 / 2.58 / 3.63. Expand's
-# re-reads of the partials outweigh a wider shrink beyond ~4 splits.
+DEFAULT_NUM_SMS = 132  # an H100's and an H200's SM count; the launcher passes the device's own
+# Splitting the shrink's K lets a few rows fill the GPU, but expand re-reads the partials once
+# per N-block: beyond about 4 splits the re-reads outweigh the wider shrink at batch 16 and 256,
+# while batch 1 gains little more (python -m benchmarks.kernels.sgmv --only step --split-k N;
+# BENCHMARKS.md, multi-LoRA, "H200, Llama-3.1-8B shape, bf16 (2026-11-30), ...").
 MAX_SPLIT_K = 4
 MIN_K_PER_SPLIT = 64  # a split below this is all overhead
 # Caps on h's partial sums (fp32), which expand re-reads once per N-block: the whole of h per

@@ -12,10 +12,10 @@ from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 # Decode graphs of at most this many rows run Triton's decode kernel under `auto` (small_decode.py;
 # KernelOptions.small_decode_rows replaces it).
 # A replayed FlashInfer graph re-plans on the host first (its split-KV schedule, pinned copies):
-# without overlap, and in every verify step, that host time is exposed. On an H200 (8B shape,
-# BENCHMARKS.md "the verify step's host time") Triton's graphs ran batch 4-32 decode 4-13%
-# faster with overlap and 14-25% without, and verify steps of 5-64 rows 14-20% faster; at 48
-# rows the two drew level, and FlashInfer kept a 3% lead at 64 plain rows with overlap.
+# without overlap, and in every verify step, that host time is exposed. Triton's kernel needs
+# no host plan, so up to a few dozen rows its graphs win; past that FlashInfer's faster kernel
+# makes up for its plan, and this is about where the two drew level (BENCHMARKS.md,
+# speculative decoding, "H200, 2026-12-02: the verify step's host time; ...").
 SMALL_DECODE_ROWS = 48
 
 

@@ -10,7 +10,7 @@ cache hit): every value a row produces is built only from its own query and its 
 an order fixed by the tiles:
 - scores: one tl.dot over head_dim per tile; each output element of an MMA is the reduction
   of its own row and column in K steps of 16, in order, whatever the tile's M (checked on
-  the H200 for MMAv2 and v3 tile shapes, for the matmul and for this kernel:
+  Hopper for MMAv2 and v3 tile shapes, for the matmul and for this kernel:
   tests/kernels/test_batch_invariant.py, tests/attention/test_deterministic_attention.py);
 - the row max: exact in any order;
 - exp2, the rescales: elementwise;

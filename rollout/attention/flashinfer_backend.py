@@ -65,8 +65,9 @@ class FlashInferAttention(AttentionBackend):
         self.page_size = pool.page_size
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # Decode on tensor cores (FlashInfer's prefill kernel with one query row per request)
-        # when a KV head serves >= 4 query heads, as SGLang does: the CUDA-core decode kernel
-        # reached ~2.9 TB/s at batch 256 on an H200, our Triton kernel (tensor cores) ~4.
+        # when a KV head serves >= 4 query heads, as SGLang does: at large batches the CUDA-core
+        # kernel reads the KV well below the rate tensor-core kernels reach (BENCHMARKS.md,
+        # "Decode attention at large batches, kernel against kernel (H200, 2026-12-02, ...)").
         self.decode_tensor_cores = num_heads // num_kv_heads >= 4
         self.decode = _Planned(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores))

@@ -2,9 +2,10 @@
 
 GRPO samples n responses per prompt. The n requests' KV starts with the same slots (the
 prompt's pages, shared through the radix tree by a fork or a cache match), and a decode
-step's attention reads those slots once per request: at 64 prompts x 8 samples x 1152
-tokens the tensor-core decode spends 339 us a layer (8B shape, H200), reading the distinct
-bytes at only 1.58 TB/s (BENCHMARKS.md, "n samples of a prompt sharing its pages").
+step's attention reads those slots once per request: eight rows a prompt read its prefix
+eight times, so the distinct bytes come in at a fraction of the copy rate (BENCHMARKS.md,
+"Decode attention at large batches, kernel against kernel (H200, 2026-12-02, ...)", its
+"n samples of a prompt sharing its pages").
 
 Here one program takes a (group, kv head, prefix split): the queries of every member's GQA
 heads (members x GROUP rows, padded to BLOCK_M) against one chunk of the shared prefix, so
@@ -27,9 +28,10 @@ from rollout.kernels.pdl_device import launch_next_then_wait
 __all__ = ["PRE_SPLITS", "launch_prefix", "members_max", "prefix_config", "prefix_kernel"]
 
 # Splits of a shared prefix (a graph fixes the grid) and the tile; read at each launch
-# (benchmarks.kernels.decode_attention --share sweeps them). H200, 8B heads, 512 rows x 1152 tokens, 8 rows a
-# 1024-token prefix (BENCHMARKS.md, "shared-prefix decode"): 4 splits of 32 query rows (8
-# members at GQA 4), 64 keys, 3 stages 197 us; 64 rows 227, 8 splits 226, 8 warps 300-313.
+# (benchmarks.kernels.decode_attention --share sweeps them). At GRPO's shape (8B heads, 8 rows a
+# 1024-token prefix) 4 splits of 32 query rows (8 members at GQA 4), 64 keys and 3 stages beat
+# 64-row tiles, 8 splits and 8 warps (BENCHMARKS.md, "GRPO's decode step: shared-prefix
+# attention and the sampler's race (H100, 2026-12-06)" has the pass against plain decode).
 PRE_SPLITS = 4
 BLOCK_M = 32  # query rows a program: members x GQA group
 BLOCK_N = 64

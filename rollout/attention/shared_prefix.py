@@ -9,10 +9,10 @@ Two kinds of rows share one:
 - One request's rows (`plan_spans`). A step laid out as rows (ModelRunner._prepare_rows: a
   verify's positions, a draft tree's nodes, a small prefill's tokens) gives each new token
   a row whose KV starts with the request's slots before the step. A 47-node tree's 48 rows
-  each re-read that context (on an H100 their attention took 1.74 ms of an 8.07 ms verify
-  step, against 0.56 ms for one decode row), but those reads hit L2, and below
-  SPAN_MIN_ROWS rows the prefix pass's launch cost more than it saved. Past it, a step's
-  requests' rows are grouped (BENCHMARKS.md, speculative decoding, session 20).
+  each re-read that context, which makes attention a large part of a tree verify, but those
+  reads hit L2, and below SPAN_MIN_ROWS rows the prefix pass's launch cost more than it
+  saved. Past it, a step's requests' rows are grouped (BENCHMARKS.md, speculative decoding,
+  "2026-12-07: the KV move on a GPU, where a tree verify's time goes, ...").
 Planned per step from host state alone (no device sync) and shipped in one host-to-device copy.
 """
 
@@ -34,11 +34,11 @@ MIN_PREFIX_TOKENS = 64
 # layer (sum over groups of (rows - 1) x prefix): below it the extra launch outweighs them.
 MIN_SHARED_TOKENS = 4096
 # A step laid out as rows groups each request's rows only when it has at least this many
-# rows. H100, 8B shape, context 512, one call, grouped / not (ms a verify step): batch 1,
-# trees of 16 / 32 / 47 nodes (17 / 33 / 48 rows) 7.61 / 8.11 / 7.71 against 7.20 / 7.76 /
-# 7.86; batch 16, chains of 1 / 2 / 3 / 8 drafts (32 / 48 / 64 / 144 rows) 8.21 / 8.39 / 8.49
-# / 9.80 against 7.86 / 8.38 / 8.99 / 10.89. Up to 48 rows every step attends with the Triton
-# decode (rollout.attention.SMALL_DECODE_ROWS) and its re-reads hit L2.
+# rows. Up to 48 rows every step attends with the Triton decode (rollout.attention.SMALL_DECODE_ROWS)
+# and its re-reads hit L2: the step is latency-bound and the prefix pass mostly costs more than
+# it saves. Past 48 rows, rows not grouped attend with FlashInfer's pages, each reading the
+# context from memory, and grouping wins (BENCHMARKS.md, speculative decoding, "2026-12-07: the
+# KV move on a GPU, where a tree verify's time goes, ...").
 SPAN_MIN_ROWS = 49
 
 

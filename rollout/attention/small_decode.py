@@ -4,11 +4,12 @@
 kernel, one query row per request, and a merge kernel for the split KV): the better choice
 at batch 256. At batch 1 that is two latency-bound kernels a layer for ~2 MB of KV, and our
 Triton split-KV decode kernel (rollout/attention/triton_kernels.py) runs the same step
-0.14-0.18 ms faster on an H200 (BENCHMARKS.md, "batch 1"); and FlashInfer re-plans on the
-host before every replay, which a verify step (no overlap) waits for. So decode graphs of at
-most `max_rows` rows (rollout.attention.SMALL_DECODE_ROWS) are captured with the second
-backend; every other step (eager decode, prefill, larger graphs) runs the first. Both read
-the same paged pool and the same ForwardBatch, so nothing is converted between them.
+faster (BENCHMARKS.md, "Batch 1, H200, 2026-12-01 (issue #16 (b)): a one-row GEMV, PDL,
+Triton decode in the 1-row graphs"); and FlashInfer re-plans on the host before every
+replay, which a verify step (no overlap) waits for. So decode graphs of at most `max_rows`
+rows (rollout.attention.SMALL_DECODE_ROWS) are captured with the second backend; every other
+step (eager decode, prefill, larger graphs) runs the first. Both read the same paged pool
+and the same ForwardBatch, so nothing is converted between them.
 
 Which backend a graph was captured with is fixed by its size (`plan_capture`), and a
 replay re-plans that backend only (`plan_replay`).

@@ -34,7 +34,7 @@ _MIN_KV_PER_SPLIT = 256  # below this a split's fixed cost (stage-2 merge, launc
 # Decode's two stages launch early where PDL is available (rollout/kernels/pdl.py; `pdl`:
 # KernelOptions.pdl and pdl_rotary_attention): stage 1 beside the rotary that stores the new
 # K/V, stage 2 beside stage 1, and the o projection's GEMV beside stage 2. At batch 1 these
-# are ~10 us kernels, so each launch hidden counts.
+# kernels take little longer than a launch, so each launch hidden counts.
 
 
 def _block_d(head_dim: int) -> int:
@@ -91,19 +91,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _decode_config(block_d: int, dtype: torch.dtype, gpu: bool) -> tuple[int, dict[str, int]]:
-    """(BLOCK_N, launch kwargs) for decode stage 1; measured on H200 with bf16."""
+    """(BLOCK_N, launch kwargs) for decode stage 1, the tiles a bf16 sweep chose
+    (benchmarks.kernels.decode_attention times them)."""
     if not gpu:
         return 16, {}  # interpreter: small blocks so tiny tests cross several blocks
     if dtype == torch.float32:
         return 32, {"num_warps": 4, "num_stages": 2}  # 4-byte K/V: halve the staged tiles
-    # ~32 KB of K+V per iteration keeps enough bytes in flight to reach ~4 TB/s.
+    # ~32 KB of K+V per iteration keeps enough bytes in flight to stream the KV near the copy rate.
     if block_d <= 64:
         return 128, {"num_warps": 4, "num_stages": 2}
     return 64, {"num_warps": 4, "num_stages": 2 if block_d <= 128 else 3}
 
 
 def _extend_config(block_d: int, dtype: torch.dtype, gpu: bool) -> tuple[int, int, dict[str, int]]:
-    """(BLOCK_M, BLOCK_N, launch kwargs) for extend; measured on H200 with bf16."""
+    """(BLOCK_M, BLOCK_N, launch kwargs) for extend, the tiles a bf16 sweep chose."""
     if not gpu:
         return 16, 16, {}  # interpreter: small tiles so tiny tests cover several tiles
     if dtype == torch.float32:

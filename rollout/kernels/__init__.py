@@ -61,12 +61,12 @@ def use_fused(x: torch.Tensor, fused: bool | None = None) -> bool:
 
 
 # One-row matmuls (16-bit, on GPU) run the skinny kernel instead of cuBLAS: one launch that
-# streams the weight once (BENCHMARKS.md, "Batch 1"); KernelOptions.skinny_matmul. The gate_up
-# projection's GEMV then writes silu(gate) * up itself (skinny.linear_silu_mul: one SiLU-mul
-# launch a layer fewer, `silu_epilogue`), and the qkv projection's rotates q and k and stores k
-# and v in the KV pool itself (skinny.linear_rope_kv: one rotary launch a layer fewer,
-# `rope_epilogue`). The options are the layer's, so a decode graph keeps the choice it was
-# captured with.
+# streams the weight once (BENCHMARKS.md, "Batch 1, H200, 2026-12-01 (issue #16 (b)): a one-row
+# GEMV, ..."); KernelOptions.skinny_matmul. The gate_up projection's GEMV then writes
+# silu(gate) * up itself (skinny.linear_silu_mul: one SiLU-mul launch a layer fewer,
+# `silu_epilogue`), and the qkv projection's rotates q and k and stores k and v in the KV pool
+# itself (skinny.linear_rope_kv: one rotary launch a layer fewer, `rope_epilogue`). The options
+# are the layer's, so a decode graph keeps the choice it was captured with.
 
 
 def one_row(x: torch.Tensor, weight: torch.Tensor, options: KernelOptions = DEFAULT_OPTIONS) -> bool:

@@ -39,11 +39,11 @@ ROW_BLOCK = 16  # CPU: 4.6x the cost of a 1-row call at batch 1, 1.6x a 64-row c
 # The reduction's chunk along K (batch_invariant_triton.py): part of what fixes the bits, so a
 # constant of the engine, never chosen per call. 2048 gives the down projection (K = 14336) 7
 # chunks to spread over programs at one row and the 4096-wide ones 2 (enough at 17-64 rows),
-# while a wide call drains its MMA pipeline to add a chunk's sum once per 32 K steps of 64:
-# measured on the H200 against 512 (benchmarks/kernels/batch_invariant.py --k-chunk, one call), the
-# matmuls of a decode step at 1 / 64 / 512 rows 4.19 / 4.81 / 12.26 ms against 4.20 / 5.25 /
-# 12.93 and an 8192-row prefill chunk 174.9 against 188.1 ms (cuBLAS 160.6); one chunk for all
-# of K (no split possible) was no faster at 8192 rows (179.0) and 22% slower at 1 and 64.
+# while a wide call drains its MMA pipeline to add a chunk's sum only once per 32 K steps of 64.
+# Against chunks of 512 it drew level at one row and was faster at 64 and 512 rows and for a
+# prefill chunk; one chunk for all of K (no split possible) was no faster for prefill and slower
+# at 1 and 64 rows (benchmarks/kernels/batch_invariant.py --k-chunk; BENCHMARKS.md, deterministic
+# mode, "H200, 2026-12-01: K in chunks of 2048, kernels warmed at start, an ABBA re-measure").
 K_CHUNK = 2048
 
 
@@ -53,7 +53,7 @@ class TileConfig:
     in-order MMA chain over each chunk of k_chunk, the chunk sums added in order
     (batch_invariant_triton.py). The tiles along M and N, the K step (block_k), `split` (one
     program per chunk, the sums added by a second kernel in the same order) and `tma` only say
-    which program computes what and how it loads; on the H200 every config with the same
+    which program computes what and how it loads; on Hopper every config with the same
     k_chunk gives the same bits for every row (tests/kernels/test_batch_invariant.py checks
     it), so they may follow the call's shape while k_chunk never does."""
 
@@ -67,37 +67,36 @@ class TileConfig:
     tma: bool = False  # X and W tiles by TMA descriptors (Hopper and later; not with split)
 
 GROUP_M = 8  # row tiles per launch group (L2 reuse, batch_invariant_triton.py); no effect on bits
-# Measured on the H200 (BENCHMARKS.md, benchmarks/kernels/batch_invariant.py: bf16, the Llama-3.1-8B
-# projections replayed from CUDA graphs with the weight coming from HBM). The K step may follow the
-# shape too: 64-, 128- and 256-wide K steps give the same bits (an MMA chain of 16-wide steps
-# either way), only K_CHUNK may not change.
+# Chosen by benchmarks/kernels/batch_invariant.py (bf16, the Llama-3.1-8B projections replayed from
+# CUDA graphs with the weight coming from HBM; BENCHMARKS.md, deterministic mode, "H200, 2026-12-01:
+# K in fixed chunks, split at small batch, TMA tiles" and the section after it). The K step may
+# follow the shape too: 64-, 128- and 256-wide K steps give the same bits (an MMA chain of
+# 16-wide steps either way), only K_CHUNK may not change.
 # Up to 16 rows the matmul is a weight stream: 16-row tiles (tl.dot's smallest), 32 columns so
 # that every SM gets a few programs, 256-wide K steps so that enough bytes are in flight; a long
 # K (the down projection's 14336) also splits its chunks over programs: 7 of 2048 instead of one
-# 14336-long loop per program. 1.01x cuBLAS at one row (4.19 against 4.13 ms of matmuls per
-# decode step).
+# 14336-long loop per program. At one row this keeps level with cuBLAS.
 _STREAM = TileConfig(16, 32, 256, 4, 3)
 _STREAM_SPLIT = TileConfig(16, 64, 128, 4, 3, split=True)
 # 17-64 rows: 64x64 tiles, chunks split over programs for the narrow projections; 64x128 by
 # TMA for the wide ones (gate_up, lm_head), which have programs enough.
 _MID = TileConfig(64, 64, 64, 4, 4, split=True)
 _MID_WIDE = TileConfig(64, 128, 64, 4, 4, tma=True)
-# From 65 rows the tiles come by TMA (1.2-1.3x cuBLAS at 256 and 8192 rows against 1.5x with
-# pointer loads): 64x128 for the narrow projections up to 256 rows, 128x256 for the wide ones
-# and for prefill, 128x128 where 128x256 tiles would not give every SM two (o and down at 512
-# rows: 64 tiles).
+# From 65 rows the tiles come by TMA (nearer cuBLAS than with pointer loads): 64x128 for the
+# narrow projections up to 256 rows, 128x256 for the wide ones and for prefill, 128x128 where
+# 128x256 tiles would not give every SM two (o and down at 512 rows: 64 tiles).
 _SMALL = TileConfig(64, 128, 64, 4, 4, tma=True)
 # 65-256 rows where 64x128 tiles are one wave or less (o and down: 128 tiles at 256 rows): 128-wide
-# K steps, 3 stages, so each tile's long K loop keeps more bytes in flight: 0.021 / 0.064 against
-# 0.024 / 0.073 ms for o / down at 256 rows (qkv, 192 tiles: no gain).
+# K steps, 3 stages, so each tile's long K loop keeps more bytes in flight: faster for o and down
+# at 256 rows (qkv, 192 tiles: no gain).
 _SMALL_DEEP = TileConfig(64, 128, 128, 4, 3, tma=True)
 # 257-512 rows (a GRPO decode batch), the qkv projection: 64x128 tiles are more than two a SM,
 # and 3 stages (72 KB of shared memory) let three share an SM where 4 stages fit two, so they
-# run in one wave: 0.038 against 0.054 ms at 384 rows (o and down, fewer tiles: no change).
+# run in one wave (o and down, fewer tiles: no change).
 _SMALL_MANY = TileConfig(64, 128, 64, 4, 3, tma=True)
 _LARGE = TileConfig(128, 256, 64, 8, 3, tma=True)
 _LARGE_FEW = TileConfig(128, 128, 64, 8, 4, tma=True)
-_SMS = 132  # the H200's SMs; only where the tiles' count is weighed, never for the bits
+_SMS = 132  # an H100's and an H200's SM count; only where the tiles' count is weighed, never for the bits
 
 
 def config_for(m: int, n: int, k: int = 0, fixed: TileConfig | None = None) -> TileConfig:
@@ -118,7 +117,7 @@ def config_for(m: int, n: int, k: int = 0, fixed: TileConfig | None = None) -> T
     return _LARGE if _tiles(m, n, 128, 256) >= 2 * _SMS else _LARGE_FEW
 
 
-# Shared memory a program's pipeline may take: the H200 gives a block 227 KB; the rest is left to
+# Shared memory a program's pipeline may take: Hopper gives a block 227 KB; the rest is left to
 # the epilogue and the barriers. The tiles above were tuned for 16-bit inputs; a float32 engine
 # on the GPU (dtype="float32", deterministic=True) would ask 294 KB of _SMALL_DEEP and _LARGE.
 _SHARED_BUDGET = 200 * 1024
@@ -167,9 +166,9 @@ def warm_up(shapes: set[tuple[int, int]], max_rows: int, dtype: torch.dtype, dev
     (a row count of 1, or a multiple of 16, compiles apart), on first use. A deterministic
     engine's first decode step past its CUDA graphs (512 rows of a GRPO batch, say) otherwise
     compiled a tile config nothing had used yet inside that step, an RL run's step 1. One call
-    per (config, specialization), at the fewest rows that reach it: on a fresh H200 49 calls in
-    7.4 s for the Llama-3.1-8B shapes; compiled kernels are cached on disk, so a later start
-    only runs them (0.0-0.1 s)."""
+    per (config, specialization), at the fewest rows that reach it: about fifty calls for the
+    Llama-3.1-8B shapes, seconds of compiling on a fresh machine; compiled kernels are cached on
+    disk, so a later start only runs them."""
     if not (_triton_wanted(torch.empty(0, device=device), options.deterministic_triton) and device.type == "cuda"):
         return 0
     calls = 0

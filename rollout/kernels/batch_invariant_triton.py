@@ -90,8 +90,8 @@ def reduce_kernel(P, Bias, Y, M, N, stride_ym, stride_yn, CHUNKS: tl.constexpr, 
     """Y = the chunk sums P[0] + P[1] + ... in chunk order, from zero (+ bias): the additions
     matmul_kernel makes without SPLIT, so the bits are the same. The loop is unrolled
     (CHUNKS is a constant per weight shape) so that every chunk's load is in flight at once
-    and only the additions wait on each other: a rolled loop was 5 us per call at one row,
-    a load's latency per chunk."""
+    and only the additions wait on each other: a rolled loop paid a load's latency per
+    chunk."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)

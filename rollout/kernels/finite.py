@@ -2,9 +2,10 @@
 
 A weight update must be checked for finiteness before anything is written (the old weights
 keep serving if it is refused), so the check is on the critical path of every sync: 16 GB
-for an 8B model. torch's multi-tensor inf-norm (`_foreach_norm`) reads bf16 at ~2 TB/s on an
-H200 (7.9 ms for 16 GB; a per-tensor `isfinite().all()` takes 33 ms); this kernel only
-reads, so it runs at the read bandwidth.
+for an 8B model. torch's multi-tensor inf-norm (`_foreach_norm`) computes a norm it does not
+need and reads well below the read bandwidth, and a per-tensor `isfinite().all()` is slower
+still (BENCHMARKS.md, weight sync, "Run 3 (2026-12-01, issue #16): zero-copy CUDA IPC, the
+NaN/Inf check in one launch"); this kernel only reads, so it runs at the read bandwidth.
 
 How: a float is NaN or +-Inf exactly when its exponent bits are all ones, so each tensor is
 read as integers of its width and masked, with no float conversion. The tensors are not

@@ -1,14 +1,14 @@
 """A low-rank term for the one-row GEMV's epilogue (rollout/kernels/skinny.py): how a LoRA
 adapter's delta rides in the base projection's own launch at batch 1.
 
-At batch 1 the adapter's shrink and expand are tiny (a few hundred KB of A and B against tens
-of MB of W), so what they cost is launches and the waits between them: two kernels a
-projection, 128 a Llama-3-8B step: 5.56 ms a batch-1 step with one adapter against the base's
-4.03 (BENCHMARKS.md, multi-LoRA "session 8"). With the term, the shrink ``h = x A^T`` is one small
-kernel before the GEMV (lora/kernels/row.py, launched under PDL like the GEMV), and the
-expand is the GEMV's epilogue: each program adds ``h . B[n]`` to its own rows, so the expand's
-launch is gone and the epilogues that follow (SiLU-mul, the rotary with the K/V store) still
-fold in.
+At batch 1 the adapter's shrink and expand are tiny (a few hundred KB of A and B against tens of
+MB of W), so what they cost is launches and the waits between them: two kernels a projection,
+128 a Llama-3-8B step, each behind a GEMV that holds every SM (BENCHMARKS.md, multi-LoRA, "H200,
+2026-12-02: (a) without compiles in the timing; batch 1 behind the skinny GEMV"). With the term,
+the shrink ``h = x A^T`` is one small kernel before the GEMV (lora/kernels/row.py, launched
+under PDL like the GEMV), and the expand is the GEMV's epilogue: each program adds ``h . B[n]``
+to its own rows, so the expand's launch is gone and the epilogues that follow (SiLU-mul, the
+rotary with the K/V store) still fold in.
 
 This module is the data the two sides share and the torch reference; it imports no triton.
 """

@@ -1,13 +1,13 @@
 """The sampler's exponential race in one launch: argmax over v of scores[b, v] - log(-log u(b, v)).
 
-rollout.sampling draws a sampled row's token as the argmax of log p - log E with E = -log U,
-U a counter-based hash of (seed, position, vocab id) (sampling.uniform_noise). In torch that
-is a dozen or more elementwise passes over [B, V] (the lowbias32 rounds, the float
-conversion, two logs, the subtraction, the argmax): with int64 lanes, at a GRPO step of 512
-rows and a 128k vocabulary, ~14 ms of a 31 ms decode step on an H100 (BENCHMARKS.md, "the
-sampler's race"). Here each program hashes a chunk of one row in registers and keeps
-its best (value, index); a [B, chunks] argmax picks each row's winner. Nothing [B, V] is
-written.
+rollout.sampling draws a sampled row's token as the argmax of log p - log E with E = -log U, U a
+counter-based hash of (seed, position, vocab id) (sampling.uniform_noise). In torch that is a
+dozen or more elementwise passes over [B, V] (the lowbias32 rounds, the float conversion, two
+logs, the subtraction, the argmax), each reading and writing [B, V]: at a GRPO step's rows and a
+128k vocabulary they outweighed every GEMM of the step (BENCHMARKS.md, "GRPO's decode step:
+shared-prefix attention and the sampler's race (H100, 2026-12-06)"). Here each program hashes a
+chunk of one row in registers and keeps its best (value, index); a [B, chunks] argmax picks each
+row's winner. Nothing [B, V] is written.
 
 Bit for bit the torch path's: the same integer rounds (int64 lanes masked to 32 bits, the
 hash's definition), the same float32 rounding of u, libdevice's logf (what torch's CUDA `log`

@@ -2,42 +2,46 @@
 launch that streams W once.
 
 At batch 1 a decode step is the weights read once (15 GB for Llama-3.1-8B), and the GEMVs
-are ~80% of the step. cuBLAS reads them at 3.86 TB/s on average on an H200 (BENCHMARKS.md:
-3.1-3.2 TB/s on the narrow qkv and o projections, and o and down add a split-K reduce
-kernel each). This kernel cuts W's rows into blocks of BLOCK_N, one program per block
-that walks the whole of K (no split-K, so no second kernel), with every load a whole
-[BLOCK_N, BLOCK_K] tile in flight; the products accumulate elementwise in an fp32 tile,
-reduced once at the end (there is nothing for tensor cores to do at one row). The output
-is rounded once, with the bias added in fp32 before, as cuBLAS's epilogue does: only the
-order of the fp32 sums differs from cuBLAS.
+are most of the step. cuBLAS's GEMV reads them below the device's copy rate, furthest below
+on the narrow qkv and o projections, and o and down add a split-K reduce kernel each
+(BENCHMARKS.md, "Run 3 (H200, 2026-11-29): ..." and "Batch 1, H200, 2026-12-01 (issue #16
+(b)): a one-row GEMV, ..."). This kernel cuts W's rows into blocks of BLOCK_N, one program
+per block that walks the whole of K (no split-K, so no second kernel), with every load a
+whole [BLOCK_N, BLOCK_K] tile in flight; the products accumulate elementwise in an fp32
+tile, reduced once at the end (there is nothing for tensor cores to do at one row). The
+output is rounded once, with the bias added in fp32 before, as cuBLAS's epilogue does: only
+the order of the fp32 sums differs from cuBLAS.
 
 Where PDL is available (rollout/kernels/pdl.py) it launches beside the tail of the kernel
 before it and has its first tile of W in flight while that kernel finishes: W is written
 by no kernel of a step, x is the only input it waits for.
 
-`linear_silu_mul` is the gate_up projection with SiLU-mul as its epilogue: each program takes
-rows j of gate and I + j of up, so it holds both halves of its outputs and writes
+`linear_silu_mul` is the gate_up projection with SiLU-mul as its epilogue: each program
+takes rows j of gate and I + j of up, so it holds both halves of its outputs and writes
 silu(gate) * up (rounded where fused.silu_and_mul rounds) instead of gate_up: the SiLU-mul
-kernel and half of gate_up's writes are gone, and no work is repeated. `linear_rope_kv` is the
-qkv projection with the rotary and the K/V store as its epilogue, the same pairing within a
-head (rows j and D/2 + j): it writes q and k rotated, v as it is, and k and v into the KV pool
-at the token's slot, bit-equal to the GEMV, then rotary.rotary_embedding with its store (the
-rotary launch, one a layer, is gone). (Folding a kernel into
-the GEMV *after* it, the norm before qkv or SiLU-mul before down, was measured and dropped:
-every program then redid it over the whole row, BENCHMARKS.md "Batch 1, session 7".)
+kernel and half of gate_up's writes are gone, and no work is repeated. `linear_rope_kv` is
+the qkv projection with the rotary and the K/V store as its epilogue, the same pairing
+within a head (rows j and D/2 + j): it writes q and k rotated, v as it is, and k and v into
+the KV pool at the token's slot, bit-equal to the GEMV, then rotary.rotary_embedding with
+its store (the rotary launch, one a layer, is gone). (Folding a kernel into the GEMV *after*
+it, the norm before qkv or SiLU-mul before down, was measured and dropped: every program
+then redid it over the whole row, BENCHMARKS.md "Batch 1, H200, 2026-12-01 (issue #16 (b)):
+the K/V store inside the rotary, ...".)
 
 Each form takes a low-rank term (`low_rank`: a LoRA adapter's, rollout/kernels/low_rank.py),
 added to its rows before the epilogue: the adapter's B rows are loaded before the PDL wait
 (no kernel of the step writes them) and the shrink's partial sums right after it, beside x's
-first tile, so the epilogue waits on no load (loaded there, they lengthened every program:
-the GEMV's mean 31.2 -> 38.2 us, against 33.5 now; BENCHMARKS.md, multi-LoRA "session 9").
+first tile, so the epilogue waits on no load (loaded there, they lengthened every program;
+BENCHMARKS.md, multi-LoRA, "H200, 2026-12-02: batch 1, the adapter's expand in the GEMV's
+epilogue").
 The delta `h . B[n]` is formed there too, before the K loop, so the loop holds one value a row
 rather than h and B: the GEMV keeps its registers, and its programs an SM, with a term.
 
 A form for 2-16 rows (tl.dot, rows padded to 16) was measured and dropped: at the default
-tiles it lost to cuBLAS on gate_up and down, and the best tiles per shape won 1-7% on the
-narrow projections only (BENCHMARKS.md). The torch path (F.linear) is the reference;
-tests run the kernel under TRITON_INTERPRET=1 on CPU.
+tiles it lost to cuBLAS on gate_up and down, and the best tiles per shape won a little on
+the narrow projections only (BENCHMARKS.md, "Batch 1, H200, 2026-12-01 (issue #16 (b)): a
+one-row GEMV, ..."). The torch path (F.linear) is the reference; tests run the kernel under
+TRITON_INTERPRET=1 on CPU.
 """
 
 from __future__ import annotations
@@ -66,10 +70,10 @@ class Tiles:
 
 
 def tiles_for(n: int, k: int) -> Tiles:
-    """The launch shape for x [1, k] @ W [n, k]^T (chosen by `python -m
-    benchmarks.kernels.skinny` on an H200; BENCHMARKS.md has the sweep): the best of 36
-    for Llama-3.1-8B's o and down, 1% off the best for gate_up, and a step's projections in
-    3.63 ms against cuBLAS's 3.93."""
+    """The launch shape for x [1, k] @ W [n, k]^T, chosen by `python -m
+    benchmarks.kernels.skinny`'s sweep: the best for Llama-3.1-8B's o and down, close to the
+    best for gate_up, and with it a step's projections beat cuBLAS's (BENCHMARKS.md, "Batch 1,
+    H200, 2026-12-01 (issue #16 (b)): a one-row GEMV, ...")."""
     return Tiles(block_n=4, block_k=1024, num_warps=2)
 
 

@@ -34,12 +34,12 @@ _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream every capture on `device` warms up and records on, one for the process.
 
-    Why not a new stream per capture: cuBLAS keeps a workspace per (handle, stream), allocated
-    through torch's caching allocator on the stream's first matmul, and neither dropping the
-    graphs nor torch.cuda.empty_cache() frees it (torch's CUDA notes say so). Graphs are
-    re-captured at every wake, so a fresh stream each time left one more workspace behind per
-    sleep/wake cycle: torch's reserved memory grew 32 MiB a cycle on the H200 (BENCHMARKS.md,
-    sleep/wake), the size of one cuBLAS workspace on Hopper. Clearing the workspaces instead
+    Why not a new stream per capture: cuBLAS keeps a workspace per (handle, stream),
+    allocated through torch's caching allocator on the stream's first matmul, and neither
+    dropping the graphs nor torch.cuda.empty_cache() frees it (torch's CUDA notes say so).
+    Graphs are re-captured at every wake, so a fresh stream each time left one more
+    workspace behind per sleep/wake cycle: torch's reserved memory grew by one cuBLAS
+    workspace a cycle (BENCHMARKS.md, "Sleep / wake"). Clearing the workspaces instead
     (torch._C._cuda_clearCublasWorkspaces) would also free ones a colocated trainer's own
     graphs may still replay into."""
     device = torch.device(device)

@@ -192,8 +192,8 @@ class Linear(nn.Module):
         pending = lora.begin(x, defer)  # launched before the matmul, so it can overlap it
         if pending is not None and self.matmul is kernels.linear and lora.concurrent:
             # cuBLAS, not the skinny GEMV: launched early under PDL its thousands of programs took
-            # every SM, so the adapter's kernels on the side stream waited for it (5.56 ms a batch-1
-            # step against 4.98; BENCHMARKS.md multi-LoRA "session 8"). One row normally takes
+            # every SM, so the adapter's kernels on the side stream waited for it (BENCHMARKS.md,
+            # multi-LoRA, "H200, 2026-12-02: (a) without compiles ..."). One row normally takes
             # one_row above; this is its A/B (KernelOptions.lora_one_row_epilogue = False).
             y = F.linear(x, self.weight, self.bias)
         else:

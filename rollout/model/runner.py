@@ -26,10 +26,12 @@ from rollout.scheduler import ScheduledBatch
 if TYPE_CHECKING:
     from lora.pool import LoraPool
 
-# The default budget of KV tokens that prefill rows may read (ModelRunner.extend_rows_kv):
-# a 128-token prompt alone reads 8256, a 362-token one 65703. On an H200 (8B shape, bf16) a
-# 128-token prefill took ~36 ms of host-bound eager launches, one graph replay as rows; rows
-# won up to 384-token prompts and drew level near 450 (BENCHMARKS.md, "Batch 1, session 10").
+# The default budget of KV tokens that prefill rows may read (ModelRunner.extend_rows_kv): a
+# 128-token prompt alone reads 8256, a 362-token one 65703. A short prefill run eager is
+# hundreds of host-bound launches, as rows one graph replay; but each row reads its whole
+# context, so the rows' lead shrinks as prompts grow, and this budget keeps them to the prompts
+# where they won (BENCHMARKS.md, "Batch 1, H200, 2026-12-02 ...: small prefills as decode
+# rows").
 EXTEND_ROWS_KV = 65536
 
 

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP endpoint in front of an engine: /v1/completions,
 /v1/chat/completions (both streamed as server-sent events too) and /v1/models, with the
-token-id extension (README: "OpenAI-compatible endpoint") a trainer needs.
+token-id extension (docs/openai.md, "The token-id extension") a trainer needs.
 
     python -m rollout.server.openai_http --model DIR [--port 8000] [--engine-address ADDR]
 

@@ -58,7 +58,8 @@ class GenerationJob:
 
 _COMMON = {"model", "temperature", "top_p", "n", "stream", "stream_options", "stop", "max_tokens", "seed",
            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user",
-           # extensions (README): the token-id return, the engine's sampling knobs, adapters
+           # extensions (docs/openai.md, "The token-id extension"): the token-id return, the engine's
+           # sampling knobs, adapters
            "return_token_ids", "logprobs_mode", "lora_name", "top_k", "min_p", "stop_token_ids", "ignore_eos"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",

@@ -127,11 +127,12 @@ def test_replayed_steps_cost_their_rows_waits_and_moves() -> None:
 
 
 def test_charged_projection_adds_moves_and_drafting_on_waited_steps() -> None:
-    from benchmarks.common.spec import H200_S16_DECODE_MS, H200_S16_ROWS_MS, ahead_trace_speedup
+    from benchmarks.common.spec import H200_2026_12_06_DECODE_MS, H200_2026_12_06_ROWS_MS, ahead_trace_speedup
     from benchmarks.common.spec_tree import AheadTrace, _charged
 
     steps = ((9, 3, True, 0), (1, 0, False, 0), (17, 4, True, 2), (1, 0, True, 0))
     trace = AheadTrace("drain", 8, 16, 1, 10, steps, 0.5)
-    base = 10 * H200_S16_DECODE_MS / ahead_trace_speedup(steps, 10, H200_S16_ROWS_MS, H200_S16_DECODE_MS)
+    decode_ms = H200_2026_12_06_DECODE_MS
+    base = 10 * decode_ms / ahead_trace_speedup(steps, 10, H200_2026_12_06_ROWS_MS, decode_ms)
     # one move of 0.2 ms (the 17-row verify's), drafting 0.5 ms on each of the 3 waited steps
-    assert _charged(trace, H200_S16_DECODE_MS, 0.2) == pytest.approx(10 * H200_S16_DECODE_MS / (base + 0.2 + 1.5))
+    assert _charged(trace, decode_ms, 0.2) == pytest.approx(10 * decode_ms / (base + 0.2 + 1.5))

@@ -2,8 +2,8 @@
 (Triton's compiler and its bundled cuobjdump, no GPU), every batch-1 projection of
 Llama-3.1-8B with a rank-16 term fits as many programs an SM as without it. Holding h and B
 through the K loop took 168 registers against 128: 6 programs an SM instead of 8
-(benchmarks/diagnostics/gemv_regs.py, BENCHMARKS.md multi-LoRA "session 15"). The compile runs in a child
-process: the other kernel tests run Triton under its interpreter."""
+(benchmarks/diagnostics/gemv_regs.py, BENCHMARKS.md multi-LoRA, H100, 2026-12-06). The compile runs in a
+child process: the other kernel tests run Triton under its interpreter."""
 
 from __future__ import annotations
 
