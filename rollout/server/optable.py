@@ -1,5 +1,5 @@
 """The engine process's operations, one row each: the request that names it on the wire
-(protocol.py), the Engine method it serves, how the engine process runs it, and what a
+(requests.py), the Engine method it serves, how the engine process runs it, and what a
 client's call returns.
 
 From this table:
@@ -18,7 +18,7 @@ From this table:
   for each row, with the Engine method's parameters (less ENGINE_ONLY_ARGS) plus timeout=
   (and wait= in the blocking client where the answer waits on a trainer).
 
-Serving a new Engine method: its request dataclass in protocol.py (fields named and
+Serving a new Engine method: its request dataclass in requests.py (fields named and
 defaulted as the method's parameters), its row here, and the one-line method in each
 client (RolloutClient, AsyncRolloutClient); the table test names whatever is missing.
 """
