@@ -4,11 +4,12 @@ its clients, RolloutClient (blocking) and AsyncRolloutClient (asyncio), with the
 pyzmq with msgpack headers and raw tensor frames; nothing is ever unpickled; loopback
 (ipc:// or tcp://127.0.0.1) unless the engine is started with --allow-remote.
 
-Layout: requests.py (one dataclass per op), protocol.py (the wire), codec.py (bytes <-> checked values), engine_process.py
-(the loop), ops.py (what each message does), sessions.py (who owns which request),
-text_worker.py + text.py (tokenizing, detokenizing and stop strings off the loop),
-background.py (waits that must not hold the loop), client.py / async_client.py /
-client_core.py (the clients), launch.py + cli.py (starting the process).
+Layout: requests.py (one dataclass per op), optable.py (each op's Engine method and reply),
+protocol.py (the wire), codec.py (bytes <-> checked values), engine_process.py (the loop),
+ops.py (what each message does), sessions.py (who owns which request), text_worker.py +
+text.py (tokenizing, detokenizing and stop strings off the loop), background.py (waits that
+must not hold the loop), client.py / async_client.py / client_core.py (the clients),
+launch.py + cli.py (starting the process).
 """
 
 from rollout.server.async_client import AsyncRolloutClient
