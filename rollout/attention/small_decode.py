@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.cache.kv_pool import KVTarget
+from rollout.kernels import KVTarget
 from rollout.model.forward_batch import ForwardBatch
 
 

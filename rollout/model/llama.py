@@ -26,7 +26,7 @@ from rollout.model.parallel import make_embedding
 
 if TYPE_CHECKING:
     from rollout.attention.base import AttentionBackend
-    from rollout.cache.kv_pool import KVTarget
+    from rollout.kernels import KVTarget
 
 
 class LoraProjection(Protocol):

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TinyModel
 from rollout import Engine, EngineConfig
-from rollout.kernels.batch_invariant import TileConfig
+from rollout.kernels.batch_invariant_tiles import TileConfig
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.llama import Linear, RMSNorm
 
