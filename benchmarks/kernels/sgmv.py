@@ -151,7 +151,7 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
     from lora.kernels import sgmv
     from lora.pool import LoraPool
     from rollout.model.config import ModelConfig
-    from rollout.model.forward_batch import LoraInputs
+    from rollout.batch import LoraInputs
     from rollout.model.llama import Linear
     from rollout.model.shapes import SHAPES
 

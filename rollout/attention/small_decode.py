@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.batch import ForwardBatch
 from rollout.kernels import KVTarget
-from rollout.model.forward_batch import ForwardBatch
 
 
 class SmallDecode(AttentionBackend):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
+from rollout.batch import ForwardBatch, LoraInputs, SharedPrefixes
 from rollout.model.llama import LlamaModel
 
 if TYPE_CHECKING:

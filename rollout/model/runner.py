@@ -12,16 +12,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lora.segments import plan_segments
 from rollout.attention import shared_prefix
 from rollout.attention.base import AttentionBackend
+from rollout.batch import ForwardBatch, LoraInputs, ScheduledBatch, SharedPrefixes
 from rollout.device import to_device, upload
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.cuda_graph import DecodeGraphs
-from lora.segments import plan_segments
-from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
 from rollout.model.llama import LlamaModel
 from rollout.request import Req
-from rollout.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from lora.pool import LoraPool

@@ -22,9 +22,9 @@ from lora import hook as lora_hook
 from lora.pool import LoraPool
 from lora.segments import plan_segments
 from rollout import kernels
+from rollout.batch import LoraInputs
 from rollout.kernels.options import KernelOptions
 from rollout.model.config import ModelConfig
-from rollout.model.forward_batch import LoraInputs
 from rollout.model.llama import LlamaModel
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

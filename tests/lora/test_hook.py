@@ -11,9 +11,9 @@ import torch
 
 from lora.pool import LoraPool
 from lora.segments import plan_segments
+from rollout.batch import LoraInputs
 from rollout.kernels.options import KernelOptions
 from rollout.model.config import ModelConfig
-from rollout.model.forward_batch import LoraInputs
 from rollout.model.llama import Linear
 from rollout.model.shapes import SHAPES
 
