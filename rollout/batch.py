@@ -55,7 +55,7 @@ class ForwardBatch:
     seq_lens: list[int]  # KV length of each request after this step
     num_decode: int
     # LoRA (None when the engine has no adapters enabled): which token rows run which
-    # adapter slot, grouped by slot (lora/segments.py).
+    # adapter slot, grouped by slot (rollout/model/lora_segments.py).
     lora: LoraInputs | None = None
     # Decode rows grouped by a shared KV prefix (n samples of a prompt), for attention that
     # reads each prefix once per group (rollout/attention/prefix_kernel.py); None: no groups.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rollout.batch import ScheduledBatch
 from rollout.cache.manager import KVManager
@@ -22,14 +22,24 @@ from rollout.config import EngineConfig
 from rollout.core.hooks import NO_SPECULATION, Speculation
 from rollout.request import Req
 
-if TYPE_CHECKING:
-    from lora.manager import LoraManager
-
 _LPM_MAX_WAITING = 128  # above this, sorting by prefix match costs more than it saves
 
 
+class AdapterResidency(Protocol):
+    """What the scheduler asks of the adapter manager (lora/manager.py LoraManager): a request
+    that runs under an adapter holds that adapter's device slot while it runs."""
+
+    def can_acquire(self, name: str) -> bool:
+        """Could a request under adapter `name` get its slot now?"""
+        ...
+
+    def acquire(self, req: Req) -> None: ...
+
+    def release(self, req: Req) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager, lora: LoraManager | None = None,
+    def __init__(self, config: EngineConfig, kv: KVManager, lora: AdapterResidency | None = None,
                  speculation: Speculation = NO_SPECULATION) -> None:
         self.config = config
         self.kv = kv
