@@ -54,8 +54,8 @@ from rollout.kernels.low_rank import LowRank, OneRow
 
 if TYPE_CHECKING:
     from lora.layout import ModuleShape
-    from rollout.kernels.options import KernelOptions
     from rollout.batch import LoraInputs
+    from rollout.kernels.options import KernelOptions
 
 __all__ = ["AdapterSlots", "Deferred", "LoraHook"]
 

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 
 class Versioned(Protocol):
+    """A loaded adapter as intake sees it (lora/manager.py AdapterEntry)."""
+
     @property
     def version(self) -> int: ...
 
