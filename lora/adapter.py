@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from lora.config import EMBEDDING_ERROR, MODULE_PARENTS, LoraAdapterConfig, module_key
+from rollout.kernels import first_non_finite
 from rollout.model.config import ModelConfig
-from rollout.validate import first_non_finite
 
 __all__ = [
     "AdapterWrite", "LoraAdapterConfig", "LoraWeights", "adapter_tensor_name", "apply_adapter_update",

@@ -47,7 +47,7 @@ shrink as extra programs of the add-RMSNorm before them (no gain).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -55,9 +55,30 @@ from lora.ops import sgmv_expand, sgmv_shrink, shrink_row, use_triton
 from rollout.kernels.low_rank import LowRank, OneRow
 
 if TYPE_CHECKING:
-    from lora.pool import LoraPool
+    from lora.layout import ModuleShape
+    from rollout.batch import LoraInputs
+    from rollout.kernels.options import KernelOptions
 
-__all__ = ["Deferred", "LoraHook"]
+__all__ = ["AdapterSlots", "Deferred", "LoraHook"]
+
+
+class AdapterSlots(Protocol):
+    """What a hook reads of the adapter pool that made it (lora/pool.py LoraPool): the slots'
+    per-layer A and B views, the next forward's plan, and the kernels' options."""
+
+    shapes: dict[str, ModuleShape]
+    a: dict[tuple[int, str], torch.Tensor]  # (layer, module) -> [num_slots, ...] A views
+    b: dict[tuple[int, str], torch.Tensor]
+    slot_ranks: torch.Tensor
+    max_rank: int
+    options: KernelOptions
+    batch: LoraInputs | None  # the next forward's segments; None: no adapter runs
+    concurrent: bool  # the next forward's shrinks run on the side stream
+    one_row_epilogue: bool
+
+    def defers(self, num_rows: int) -> bool: ...
+
+    def side_stream(self) -> torch.cuda.Stream: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +92,7 @@ class Deferred:
 class LoraHook:
     """Installed on one projection: two batched kernels per call whatever the mix of adapters."""
 
-    def __init__(self, pool: LoraPool, layer: int, module: str) -> None:
+    def __init__(self, pool: AdapterSlots, layer: int, module: str) -> None:
         self.pool, self.key = pool, (layer, module)
         shape = pool.shapes[module]
         self.num_slices, self.slice_offsets = shape.num_slices, shape.slice_offsets

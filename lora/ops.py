@@ -5,8 +5,8 @@ A LoRA projection is ``out = base(x) + (x @ A^T) @ B^T * scaling``, done in two 
 ``h = sgmv_shrink(x, A...)`` then ``sgmv_expand(h, B..., out)`` (the scaling is folded
 into B). The rows that run an adapter are listed in ``row_ids`` (token rows of x and out),
 grouped in G segments of one slot each: segment g is ``row_ids[seg_indptr[g] :
-seg_indptr[g+1]]`` under slot ``seg_slots[g]`` (``lora.segments.plan_segments`` builds
-them, one segment per slot in use, base rows left out). A fused projection (q/k/v: 3
+seg_indptr[g+1]]`` under slot ``seg_slots[g]`` (``rollout.model.lora_segments.plan_segments``
+builds them, one segment per slot in use, base rows left out). A fused projection (q/k/v: 3
 slices, gate/up: 2, o or down: 1) is one call: each slice has its own A and B, stacked in
 the slot's weights.
 

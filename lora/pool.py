@@ -27,10 +27,10 @@ from lora.flat import Run
 from lora.hook import LoraHook
 from lora.image import HostImage
 from lora.layout import HF_TO_ENGINE, ROW_PARALLEL, ModuleShape, engine_modules_for, module_shapes
+from rollout.batch import LoraInputs
 from rollout.distributed.tp import SINGLE, TensorParallel
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.config import ModelConfig
-from rollout.model.forward_batch import LoraInputs
 from rollout.model.parallel import take_shard
 
 

@@ -22,8 +22,9 @@ import torch
 
 from lora.adapter import LoraWeights, _items, loaded_pair, plan_update_keys
 from lora.flat import FlatLayout, FlatLoraAdapter, Run, plan_runs
+from rollout.kernels import first_non_finite
 from rollout.model.config import ModelConfig
-from rollout.validate import first_non_finite, is_int
+from rollout.validate import is_int
 
 __all__ = ["FlatPlan", "FlatUpdate", "NamedUpdate", "check_finite", "plan_flat_layout", "plan_flat_update",
            "plan_named_update"]

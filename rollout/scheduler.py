@@ -13,43 +13,33 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from rollout.batch import ScheduledBatch
 from rollout.cache.manager import KVManager
 from rollout.config import EngineConfig
 from rollout.core.hooks import NO_SPECULATION, Speculation
 from rollout.request import Req
 
-if TYPE_CHECKING:
-    from lora.manager import LoraManager
-
 _LPM_MAX_WAITING = 128  # above this, sorting by prefix match costs more than it saves
 
 
-@dataclass
-class ScheduledBatch:
-    reqs: list[Req]  # decodes (1 new token) first, then extends
-    extend_lens: list[int]  # tokens each request computes this step
-    num_decode: int
-    retracted: list[Req] = field(default_factory=list)
+class AdapterResidency(Protocol):
+    """What the scheduler asks of the adapter manager (lora/manager.py LoraManager): a request
+    that runs under an adapter holds that adapter's device slot while it runs."""
 
-    def produces_token(self, i: int) -> bool:
-        """Does request i reach the end of its known tokens (and drafts) this step, and so
-        sample (one token per draft position, plus one)?"""
-        req = self.reqs[i]
-        return req.num_computed_tokens + self.extend_lens[i] == req.seq_len + len(req.draft_tokens)
+    def can_acquire(self, name: str) -> bool:
+        """Could a request under adapter `name` get its slot now?"""
+        ...
 
-    def samplers(self) -> list[Req]:
-        """The requests that sample this step, in batch order."""
-        if self.num_decode == len(self.reqs):  # decode-only: a decode always samples
-            return list(self.reqs)
-        return [r for i, r in enumerate(self.reqs) if self.produces_token(i)]
+    def acquire(self, req: Req) -> None: ...
+
+    def release(self, req: Req) -> None: ...
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager, lora: LoraManager | None = None,
+    def __init__(self, config: EngineConfig, kv: KVManager, lora: AdapterResidency | None = None,
                  speculation: Speculation = NO_SPECULATION) -> None:
         self.config = config
         self.kv = kv

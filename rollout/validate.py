@@ -112,35 +112,3 @@ def named_tensor_list(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[st
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(f"named_tensors[{i}]: expected a (name: str, tensor) pair, got {type(item).__name__}")
     return [tuple(item) for item in items]  # type: ignore[misc]
-
-
-def first_non_finite(tensors: Sequence[Any], fused: bool | None = None) -> int | None:
-    """Index of the first tensor holding a NaN or an Inf, or None. One multi-tensor check
-    per (device, dtype) group and one host sync per device for the whole list, not one per
-    tensor: a weight update has hundreds of tensors (448 in an 8B LoRA adapter). CUDA
-    groups go through one Triton launch that reads at bandwidth (rollout/kernels/finite.py);
-    the rest through torch's multi-tensor inf-norm, which is also that kernel's reference.
-    `fused`: KernelOptions.fused (None: the kernel for CUDA groups)."""
-    import torch
-
-    from rollout import kernels
-
-    groups: dict[tuple, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(i)
-    flags: dict[Any, list[Any]] = {}  # device -> a bool flag per tensor of each of its groups
-    order: dict[Any, list[int]] = {}  # device -> the tensor index of each flag
-    for (device, _), indices in groups.items():
-        members = [tensors[i] for i in indices]
-        if kernels.use_fused(members[0], fused):
-            flag = kernels.finite.non_finite_flags(members) != 0
-        else:
-            # the inf-norm is max |x|: inf for an Inf, NaN for a NaN, never an overflow
-            flag = ~torch.stack(torch._foreach_norm(members, ord=float("inf"))).isfinite()
-        flags.setdefault(device, []).append(flag)
-        order.setdefault(device, []).extend(indices)
-    hits: list[int] = []
-    for device, device_flags in flags.items():
-        bad = torch.cat(device_flags).cpu()  # the device's one sync
-        hits += [order[device][i] for i in bad.nonzero().flatten().tolist()]
-    return min(hits) if hits else None

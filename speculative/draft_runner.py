@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.batch import ForwardBatch
 from rollout.cache.kv_pool import KVPool, OutOfSlots
 from rollout.device import to_device
 from rollout.model.config import ModelConfig
 from rollout.model.cuda_graph import DecodeGraphs
-from rollout.model.forward_batch import ForwardBatch
 from rollout.model.llama import LlamaModel
 from rollout.model.loader import WeightWrite, plan_writes
 from rollout.model.runner import run_model

@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from rollout.batch import ScheduledBatch
 from rollout.cache.manager import KVManager
 from rollout.core.hooks import PLAIN_ROWS, Speculation, StepRows
 from rollout.metrics import Counters
 from rollout.request import Req, RolloutOutput
-from rollout.scheduler import ScheduledBatch
 from speculative.base import Drafter
 from speculative.governor import SpeedGovernor
 from speculative.verify import VerifyRows

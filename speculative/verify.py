@@ -15,18 +15,28 @@ go through the loop (TokenSink.emit), which checks stops and grammars.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from rollout.core.hooks import StepRows, TokenSink
+from rollout.core.hooks import Launched, StepRows, TokenSink
 from rollout.request import Req, RolloutOutput, tree_depths
 
 if TYPE_CHECKING:
-    from rollout.core.step import Launched
-    from speculative.speculator import Speculator
+    from rollout.cache.manager import KVManager
+    from rollout.metrics import Counters
+    from speculative.base import Drafter
+
+
+class Verifier(Protocol):
+    """What a verify step's read back updates (speculator.py's Speculator, which lays the step
+    out): the KV it rolls back, the counters, and the drafter that hears how far it got."""
+
+    kv: KVManager | None
+    counters: Counters
+    drafter: Drafter
 
 
 class VerifyRows(StepRows):
-    def __init__(self, speculator: Speculator, drafts: list[list[int]], trees: list[list[int] | None]) -> None:
+    def __init__(self, speculator: Verifier, drafts: list[list[int]], trees: list[list[int] | None]) -> None:
         self.speculator = speculator
         self.chains = drafts  # each request's drafts (none: a plain row), in row order
         self.trees = trees  # each request's draft parents (None: a chain)

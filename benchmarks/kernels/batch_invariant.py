@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rollout.kernels.batch_invariant import K_CHUNK
+from rollout.kernels.batch_invariant_tiles import K_CHUNK
 
 SHAPES_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
              "lm_head": (4096, 128256)}

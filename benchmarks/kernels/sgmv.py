@@ -95,7 +95,7 @@ class Projection:
 def _plan(lens: list[int], num_adapters: int, seed: int, device: torch.device, num_segments: int | None = None):
     """(SegmentPlan, device (row_ids, seg_indptr, seg_slots)) of requests on slots drawn from
     the first ``num_adapters``."""
-    from lora.segments import plan_segments
+    from rollout.model.lora_segments import plan_segments
 
     slots = np.random.default_rng(seed).integers(0, num_adapters, len(lens))
     plan = plan_segments(slots, lens, num_segments=num_segments)
@@ -151,7 +151,7 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
     from lora.kernels import sgmv
     from lora.pool import LoraPool
     from rollout.model.config import ModelConfig
-    from rollout.model.forward_batch import LoraInputs
+    from rollout.batch import LoraInputs
     from rollout.model.llama import Linear
     from rollout.model.shapes import SHAPES
 

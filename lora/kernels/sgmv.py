@@ -1,8 +1,8 @@
 """Triton SGMV kernels: segmented LoRA shrink (h = x @ A^T) and expand (out += h @ B^T).
 
 The rows that run an adapter come as positions of ``row_ids`` (token rows of x / out),
-grouped in G segments of one slot each (``lora.segments``). Both kernels tile (column
-block, [split,] row tile of a segment) on a flat grid, columns fastest, so programs that
+grouped in G segments of one slot each (``rollout.model.lora_segments``). Both kernels tile
+(column block, [split,] row tile of a segment) on a flat grid, columns fastest, so programs that
 share an input tile run together and read it from L2 after the first.
 
 Row tiles are numbered compactly: segment g's are ``g + seg_start // BLOCK_M + m`` for

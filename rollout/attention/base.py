@@ -12,9 +12,10 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from rollout.cache.kv_pool import KVPool, KVTarget
+from rollout.batch import ForwardBatch
+from rollout.cache.kv_pool import KVPool
+from rollout.kernels import KVTarget
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
-from rollout.model.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

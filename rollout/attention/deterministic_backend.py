@@ -29,8 +29,8 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.row_blocks import RowBlocks, decode_table, heads_per_kv, plan_row_blocks
+from rollout.batch import ForwardBatch
 from rollout.device import to_device
-from rollout.model.forward_batch import ForwardBatch
 
 KV_TILE = 64
 # MMA rows of a prompt chunk's program on the GPU (tokens x padded query heads per KV head):

@@ -27,10 +27,10 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.page_table import PageTable, page_table
+from rollout.batch import ForwardBatch
 from rollout.cache.kv_pool import KVPool
 from rollout.device import pinned
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
-from rollout.model.forward_batch import ForwardBatch
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial outputs; FlashInfer recommends >= 128 MB
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rollout.batch import SharedPrefixes
 from rollout.device import to_device
-from rollout.model.forward_batch import SharedPrefixes
 from rollout.request import Req
 
 # A group's prefix shorter than this is attended with the rest of its rows' KV: the pass of

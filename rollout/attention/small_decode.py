@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.cache.kv_pool import KVTarget
-from rollout.model.forward_batch import ForwardBatch
+from rollout.batch import ForwardBatch
+from rollout.kernels import KVTarget
 
 
 class SmallDecode(AttentionBackend):

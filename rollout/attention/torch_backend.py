@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.attention.base import AttentionBackend
-from rollout.model.forward_batch import ForwardBatch
+from rollout.batch import ForwardBatch
 
 _MAX_LENGTH_GROUPS = 4  # above this many distinct decode lengths, one masked batched pass wins
 

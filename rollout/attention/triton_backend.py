@@ -12,9 +12,9 @@ import torch
 from rollout.attention.base import AttentionBackend
 from rollout.attention.prefix_kernel import members_max
 from rollout.attention.triton_kernels import decode_attention, default_num_kv_splits, extend_attention
+from rollout.batch import ForwardBatch
 from rollout.cache.kv_pool import KVPool
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
-from rollout.model.forward_batch import ForwardBatch
 
 
 class TritonAttention(AttentionBackend):

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from rollout.attention.prefix_kernel import launch_prefix, prefix_config
+from rollout.batch import SharedPrefixes
 from rollout.kernels.pdl import launch as pdl_launch
 from rollout.kernels.pdl_device import launch_next_then_wait
-from rollout.model.forward_batch import SharedPrefixes
 
 __all__ = ["decode_attention", "extend_attention"]
 

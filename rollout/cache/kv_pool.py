@@ -9,11 +9,10 @@ out: padded rows (CUDA-graph batches, masked attention) write and read it harmle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from rollout import kernels
+from rollout.kernels import KVTarget
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 
 
@@ -102,26 +101,6 @@ class PageAllocator:
         already owned, so only pages that begin inside the range are new."""
         ps = self.page_size
         return max(0, -(-end // ps) - (-(-start // ps)))
-
-
-@dataclass(frozen=True)
-class KVTarget:
-    """Where one layer's new K/V of a step go: that layer's pool buffers, at the step's slots.
-    The kernel that makes K (the rotary, rollout.model.llama.Rotary) writes them there in its
-    own launch on GPU; `write` is the same store on its own (and the CPU path)."""
-
-    k_cache: torch.Tensor  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor
-    slots: torch.Tensor  # [T], device
-    fused: bool | None = None  # KernelOptions.fused of the pool's engine
-
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [T, Hkv, D]
-        if kernels.use_fused(k, self.fused):  # GPU: K and V in one launch
-            kernels.rotary.store_kv(self.k_cache, self.v_cache, self.slots, k, v)
-            return
-        self.k_cache.index_copy_(0, self.slots, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(0, self.slots, v.to(self.v_cache.dtype))
 
 
 class KVPool:

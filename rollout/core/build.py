@@ -27,6 +27,7 @@ from rollout.cache.manager import KVManager
 from rollout.config import EngineConfig
 from rollout.core.hooks import NO_SPECULATION, Speculation
 from rollout.distributed.tp import SINGLE, TensorParallel, tp_from_world
+from rollout.kernels import first_non_finite
 from rollout.metrics import Counters
 from rollout.model.build import build_model, init_random_weights
 from rollout.model.config import ModelConfig
@@ -36,7 +37,6 @@ from rollout.model.parallel import check_tp_size
 from rollout.model.runner import ModelRunner
 from rollout.sampling import race
 from rollout.scheduler import Scheduler
-from rollout.validate import first_non_finite
 
 if TYPE_CHECKING:
     from lora.manager import LoraManager

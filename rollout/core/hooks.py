@@ -10,6 +10,8 @@ service.py) and core/build.py, the composition root, plugs it in.
   rows (speculative/verify.py) are each request's last token and its drafts, and their read
   back walks the drafts the draws accept.
 - `Grammar`: which steps sample under grammars, their masks, each token's advance.
+- `Launched`: a step whose sampled tokens are still on the device, what `StepRows` reads
+  back (the loop makes it; it sits here, with the hooks that read it).
 
 Knows the step's data (requests, scheduled batches, packed sampling rows); knows nothing of
 drafters, governors, draft trees or grammar matchers.
@@ -18,15 +20,28 @@ drafters, governors, draft trees or grammar matchers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout.core.step import Launched
+    from rollout.batch import ScheduledBatch
     from rollout.request import Req, RolloutOutput
-    from rollout.scheduler import ScheduledBatch
     from rollout.structured.bitmask import TokenMask
+
+
+@dataclass
+class Launched:
+    """A step whose sampled tokens are still on the device (or just copied back)."""
+
+    reqs: list[Req]
+    packed: torch.Tensor | None  # [rows, 3 + 4k] float64: token, raw lp, processed lp, top-k
+    event: torch.cuda.Event | None  # set when the copy to pinned host memory is done
+    top_k: int
+    version: int  # weight version that produced these tokens
+    rows: StepRows
+    constrained: bool
 
 
 class TokenSink(Protocol):

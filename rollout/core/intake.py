@@ -8,9 +8,9 @@ know the scheduler beyond asking whether a request id is taken.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,8 +18,29 @@ from rollout.request import Req, SamplingParams, derive_seed
 from rollout.validate import check_int, check_str, token_ids
 
 if TYPE_CHECKING:
-    from lora.manager import LoraManager
-    from rollout.structured.service import StructuredOutput
+    from rollout.structured.spec import GrammarSpec
+
+
+class Versioned(Protocol):
+    """A loaded adapter as intake sees it (lora/manager.py AdapterEntry)."""
+
+    @property
+    def version(self) -> int: ...
+
+
+class LoadedAdapters(Protocol):
+    """What intake asks of the adapter manager (lora/manager.py LoraManager): the loaded
+    adapters by name, each with its version (a request records the one it starts under)."""
+
+    @property
+    def adapters(self) -> Mapping[str, Versioned]: ...
+
+
+class GrammarStates(Protocol):
+    """What intake asks of structured output (rollout/structured/service.py StructuredOutput):
+    a matcher state for each of n samples; a ValueError for what it cannot serve."""
+
+    def states(self, spec: GrammarSpec, n: int) -> list[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -30,8 +51,8 @@ class Limits:
 
 
 class Intake:
-    def __init__(self, limits: Limits, tokenizer, id_in_use: Callable[[str], bool], seed: int,
-                 fork_samples: bool, lora: LoraManager | None = None, structured: StructuredOutput | None = None) -> None:
+    def __init__(self, limits: Limits, tokenizer, id_in_use: Callable[[str], bool], seed: int, fork_samples: bool,
+                 lora: LoadedAdapters | None = None, structured: GrammarStates | None = None) -> None:
         self.limits = limits
         self.lora = lora
         self.structured = structured  # json_schema / regex / grammar requests (None: refused)

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.batch import ScheduledBatch
 from rollout.cache.manager import KVManager
-from rollout.core.hooks import NO_GRAMMAR, NO_SPECULATION, Grammar, Speculation, StepRows
+from rollout.core.hooks import NO_GRAMMAR, NO_SPECULATION, Grammar, Launched, Speculation, StepRows
 from rollout.core.outputs import Outputs
 from rollout.metrics import Counters
 from rollout.model.runner import ModelRunner
 from rollout.request import Req, RolloutOutput
 from rollout.sampling import SamplingBatch, sample
-from rollout.scheduler import ScheduledBatch, Scheduler
+from rollout.scheduler import Scheduler
 
 log = logging.getLogger("rollout")
 
@@ -42,19 +43,6 @@ class Forwarded:
     rows: StepRows  # how the rows map to the requests (a verify step: 1 + drafts each)
     version: int
     constrained: bool  # does a request sample under a grammar
-
-
-@dataclass
-class Launched:
-    """A step whose sampled tokens are still on the device (or just copied back)."""
-
-    reqs: list[Req]
-    packed: torch.Tensor | None  # [rows, 3 + 4k] float64: token, raw lp, processed lp, top-k
-    event: torch.cuda.Event | None  # set when the copy to pinned host memory is done
-    top_k: int
-    version: int  # weight version that produced these tokens
-    rows: StepRows
-    constrained: bool
 
 
 class StepLoop:

@@ -15,10 +15,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
-
-if TYPE_CHECKING:
-    from rollout.distributed.group import DistContext
+from typing import Any, NoReturn, Protocol
 
 _PEER_QUERY_TIMEOUT_S = 5.0  # bounded look-ups while reporting a failure
 
@@ -66,8 +63,24 @@ class PhaseTracker:
         return "; ".join(lines)
 
 
+class PhaseContext(Protocol):
+    """What a phase report reads of this process's place in the group (group.py's DistContext)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    @property
+    def tracker(self) -> PhaseTracker: ...
+
+
 @contextmanager
-def phase(ctx: DistContext, name: str) -> Iterator[None]:
+def phase(ctx: PhaseContext, name: str) -> Iterator[None]:
     """Announce a phase; any exception inside it becomes fail() with the peers' phases."""
     ctx.tracker.enter(name)
     try:
@@ -76,7 +89,7 @@ def phase(ctx: DistContext, name: str) -> Iterator[None]:
         fail(ctx, name, error)
 
 
-def fail(ctx: DistContext, where: str, error: BaseException) -> NoReturn:
+def fail(ctx: PhaseContext, where: str, error: BaseException) -> NoReturn:
     """Report and leave. os._exit: process-group destructors (and atexit hooks) can block
     forever on a peer that is gone, which is exactly the hang we are avoiding."""
     tracker = ctx.tracker

@@ -7,6 +7,10 @@ path and their reference. Beside them,
 `rollout.kernels.skinny`: the projections' matmul at a batch-1 decode's one row (`linear`
 below picks it; F.linear is its reference).
 
+Each kernel's caller-facing form is here, picking the kernel or its torch reference:
+`linear` and its epilogue forms, `KVTarget.write` (a layer's new K/V into the KV pool) and
+`first_non_finite` (a weight update's NaN/Inf check).
+
 `use_fused(x, fused)` is the one dispatch test the model makes. It is cheap on the CPU path (no
 triton import: `fused` is loaded lazily on first access), and by default (`fused=None`) true
 exactly for CUDA tensors of a supported dtype when triton imports. Which kernels run is the
@@ -17,13 +21,14 @@ kernels on CPU tensors under TRITON_INTERPRET=1 (tests), False the torch path on
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from rollout.cache.kv_pool import KVTarget
     from rollout.kernels.low_rank import LowRank
     from rollout.kernels import finite as finite
     from rollout.kernels import kv_copy as kv_copy
@@ -33,8 +38,8 @@ if TYPE_CHECKING:
 
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 
-__all__ = ["DEFAULT_OPTIONS", "KernelOptions", "available", "linear", "linear_rope_kv", "linear_silu_mul", "one_row",
-           "rope_folds", "silu_folds", "use_fused"]
+__all__ = ["DEFAULT_OPTIONS", "KVTarget", "KernelOptions", "available", "first_non_finite", "linear", "linear_rope_kv",
+           "linear_silu_mul", "one_row", "rope_folds", "silu_folds", "use_fused"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _available: bool | None = None
@@ -58,6 +63,29 @@ def use_fused(x: torch.Tensor, fused: bool | None = None) -> bool:
     # Cheapest test first: on the CPU path this is two attribute reads and no import.
     on = x.is_cuda if fused is None else fused
     return on and x.dtype in _DTYPES and available()
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Where one layer's new K/V of a step go: that layer's pool buffers, at the step's slots.
+    The kernel that makes K (the rotary, rollout.model.llama.Rotary) writes them there in its
+    own launch on GPU; `write` is the same store on its own (and the CPU path). The KV pool
+    (rollout/cache/kv_pool.py) hands them out."""
+
+    k_cache: torch.Tensor  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [T], device
+    fused: bool | None = None  # KernelOptions.fused of the pool's engine
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [T, Hkv, D]
+        if use_fused(k, self.fused):  # GPU: K and V in one launch
+            from rollout.kernels import rotary
+
+            rotary.store_kv(self.k_cache, self.v_cache, self.slots, k, v)
+            return
+        self.k_cache.index_copy_(0, self.slots, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, self.slots, v.to(self.v_cache.dtype))
 
 
 # One-row matmuls (16-bit, on GPU) run the skinny kernel instead of cuBLAS: one launch that
@@ -129,6 +157,36 @@ def linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert kv is not None
     rope = skinny.RopeKV(cos, sin, positions, kv.k_cache, kv.v_cache, kv.slots, n_q_heads, n_kv_heads)
     return skinny.linear_rope_kv(x, weight, bias, rope, low_rank=low_rank, pdl=options.pdl)
+
+
+def first_non_finite(tensors: Sequence[Any], fused: bool | None = None) -> int | None:
+    """Index of the first tensor holding a NaN or an Inf, or None. One multi-tensor check
+    per (device, dtype) group and one host sync per device for the whole list, not one per
+    tensor: a weight update has hundreds of tensors (448 in an 8B LoRA adapter). CUDA
+    groups go through one Triton launch that reads at bandwidth (rollout/kernels/finite.py);
+    the rest through torch's multi-tensor inf-norm, which is also that kernel's reference.
+    `fused`: KernelOptions.fused (None: the kernel for CUDA groups)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(i)
+    flags: dict[Any, list[Any]] = {}  # device -> a bool flag per tensor of each of its groups
+    order: dict[Any, list[int]] = {}  # device -> the tensor index of each flag
+    for (device, _), indices in groups.items():
+        members = [tensors[i] for i in indices]
+        if use_fused(members[0], fused):
+            from rollout.kernels import finite
+
+            flag = finite.non_finite_flags(members) != 0
+        else:
+            # the inf-norm is max |x|: inf for an Inf, NaN for a NaN, never an overflow
+            flag = ~torch.stack(torch._foreach_norm(members, ord=float("inf"))).isfinite()
+        flags.setdefault(device, []).append(flag)
+        order.setdefault(device, []).extend(indices)
+    hits: list[int] = []
+    for device, device_flags in flags.items():
+        bad = torch.cat(device_flags).cpu()  # the device's one sync
+        hits += [order[device][i] for i in bad.nonzero().flatten().tolist()]
+    return min(hits) if hits else None
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ fixed chunks of CHUNK elements (a tensor of n elements owns cdiv(n, CHUNK) conse
 programs), so a 1 GB embedding and a 4 KB norm weight are spread over the GPU alike.
 Each program raises its tensor's flag if its chunk holds a non-finite value.
 
-The torch path (validate.first_non_finite on CPU) is the reference; tests run this kernel
+The torch path (kernels.first_non_finite on CPU) is the reference; tests run this kernel
 under TRITON_INTERPRET=1 on CPU tensors.
 """
 

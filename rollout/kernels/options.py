@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rollout.kernels.batch_invariant import TileConfig
+from rollout.kernels.batch_invariant_tiles import TileConfig
 
 __all__ = ["DEFAULT_OPTIONS", "KernelOptions"]
 
@@ -90,11 +88,9 @@ class KernelOptions:
         if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
             raise ValueError(f"KernelOptions.lora_expand_block_n={block_n}: expected a power of 2 >= 16")
         if self.batch_invariant_tiles is not None:
-            from rollout.kernels.batch_invariant import TileConfig
-
             if not isinstance(self.batch_invariant_tiles, TileConfig):
                 raise ValueError(f"KernelOptions.batch_invariant_tiles={self.batch_invariant_tiles!r}: expected a "
-                                 "rollout.kernels.batch_invariant.TileConfig or None")
+                                 "rollout.kernels.batch_invariant_tiles.TileConfig or None")
 
 
     @classmethod
@@ -102,8 +98,6 @@ class KernelOptions:
         """From `dataclasses.asdict` of one (a config sent as JSON)."""
         tiles = values.get("batch_invariant_tiles")
         if isinstance(tiles, dict):
-            from rollout.kernels.batch_invariant import TileConfig
-
             values = {**values, "batch_invariant_tiles": TileConfig(**tiles)}
         return cls(**values)
 

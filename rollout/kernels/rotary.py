@@ -4,7 +4,7 @@ and v between the qkv projection and attention, as Triton kernels.
 * ``rotary_embedding``: rotate-half RoPE of q and k in one launch, cos/sin gathered by
   position inside the kernel (and, with a deferred adapter delta, v's share of it added);
   given the KV pool's buffers and slots, the same launch also stores the rotated K and V
-  (rollout.cache.kv_pool.KVTarget: the store kernel's launch is saved).
+  (rollout.kernels.KVTarget: the store kernel's launch is saved).
 * ``store_kv``: the new tokens' K and V into the paged pool by slot, one launch (for a
   caller whose K/V did not come through the rotary).
 

@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
-from rollout.model.llama import LlamaModel
-
-if TYPE_CHECKING:
-    from lora.pool import LoraPool
+from rollout.batch import ForwardBatch, LoraInputs, SharedPrefixes
+from rollout.model.llama import LlamaModel, LoraSlots
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -71,7 +67,7 @@ PLAIN = Variant()
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, backend: AttentionBackend, max_bs: int, max_context: int,
-                 device: torch.device, lora: LoraPool | None = None, share_prefixes: bool = True) -> None:
+                 device: torch.device, lora: LoraSlots | None = None, share_prefixes: bool = True) -> None:
         if not backend.graphable:
             raise ValueError(f"attention backend {backend.name!r} cannot run inside a CUDA graph")
         self.model, self.backend, self.device = model, backend, device
@@ -84,8 +80,8 @@ class DecodeGraphs:
         self.kv_indptr = torch.arange(max_bs + 1, dtype=torch.int32, **kw)
         self.kv_indices = torch.zeros(max_bs * max_context, dtype=torch.int32, **kw)
         self._pad_indptr = torch.arange(1, max_bs + 1, dtype=torch.int32, **kw)
-        # LoRA: the rows of each adapter slot (lora/segments.py), in static buffers sized for
-        # max_bs rows and one segment per slot, so a replay serves any mix of adapters.
+        # LoRA: the rows of each adapter slot (rollout/model/lora_segments.py), in static buffers
+        # sized for max_bs rows and one segment per slot, so a replay serves any mix of adapters.
         self.lora = lora
         if lora is not None:
             s = lora.num_slots

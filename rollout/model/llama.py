@@ -26,7 +26,8 @@ from rollout.model.parallel import make_embedding
 
 if TYPE_CHECKING:
     from rollout.attention.base import AttentionBackend
-    from rollout.cache.kv_pool import KVTarget
+    from rollout.batch import LoraInputs
+    from rollout.kernels import KVTarget
 
 
 class LoraProjection(Protocol):
@@ -46,6 +47,17 @@ class LoraProjection(Protocol):
     def concurrent(self) -> bool:
         """Does the work begin() launched run beside the base matmul (a graph's side stream)?"""
         ...
+
+
+class LoraSlots(Protocol):
+    """The adapter slots as a model step sees them (lora/pool.py LoraPool, which also puts a
+    LoraProjection on each targeted projection): how many slots a step's segments may name,
+    and each forward's plan (`inputs`: its segments; inactive: no adapter runs;
+    `concurrent`: a CUDA graph capture's shrinks on a side stream)."""
+
+    num_slots: int
+
+    def plan(self, inputs: LoraInputs | None, active: bool, concurrent: bool = False) -> None: ...
 
 
 class RMSNorm(nn.Module):

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rollout.kernels import first_non_finite
 from rollout.model.config import ModelConfig
 from rollout.model.parallel import full_shape, local_rows, shard_dim, take_shard
-from rollout.validate import first_non_finite
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _QKV = re.compile(r"^self_attn\.([qkv])_proj\.(weight|bias)$")

@@ -7,24 +7,18 @@ that sample this step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from rollout.attention import shared_prefix
 from rollout.attention.base import AttentionBackend
+from rollout.batch import ForwardBatch, LoraInputs, ScheduledBatch, SharedPrefixes
 from rollout.device import to_device, upload
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.cuda_graph import DecodeGraphs
-from lora.segments import plan_segments
-from rollout.model.forward_batch import ForwardBatch, LoraInputs, SharedPrefixes
-from rollout.model.llama import LlamaModel
+from rollout.model.llama import LlamaModel, LoraSlots
+from rollout.model.lora_segments import plan_segments
 from rollout.request import Req
-from rollout.scheduler import ScheduledBatch
-
-if TYPE_CHECKING:
-    from lora.pool import LoraPool
 
 # The default budget of KV tokens that prefill rows may read (ModelRunner.extend_rows_kv): a
 # 128-token prompt alone reads 8256, a 362-token one 65703. A short prefill run eager is
@@ -42,7 +36,7 @@ def _decode(req: Req, n: int) -> bool:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: AttentionBackend | None, table: torch.Tensor, device: torch.device,
-                 lora: LoraPool | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> None:
+                 lora: LoraSlots | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> None:
         self.model = model
         self.backend = backend  # None until build.attach_backend (re-made on wake from sleep)
         self.lora = lora  # the adapter slots the model's projections read (None: LoRA off)
@@ -307,7 +301,7 @@ class ModelRunner:
 
 
 def run_model(model: LlamaModel, backend: AttentionBackend | None, graphs: DecodeGraphs | None, fb: ForwardBatch,
-              lora: LoraPool | None = None) -> torch.Tensor:
+              lora: LoraSlots | None = None) -> torch.Tensor:
     """Logits [R, vocab] float32 of a step: a decode graph's replay when one covers it (a
     decode-shaped step), else an eager forward (the target's runner and the draft model's)."""
     if graphs is not None and graphs.can_run(fb):

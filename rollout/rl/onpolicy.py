@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from rollout.attention.deterministic_backend import DeterministicAttention
+from rollout.batch import ForwardBatch
 from rollout.cache.kv_pool import KVPool
 from rollout.model.build import build_model
 from rollout.model.config import ModelConfig
-from rollout.model.forward_batch import ForwardBatch
 from rollout.model.loader import load_weights
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU backe
 def test_backend_matches_torch_reference(backend: str, page_size: int) -> None:
     from rollout.attention import make_backend
     from rollout.cache.kv_pool import KVPool
-    from rollout.model.forward_batch import ForwardBatch
+    from rollout.batch import ForwardBatch
 
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")

@@ -154,7 +154,7 @@ def test_backend_rows_alone_equal_rows_in_a_batch(path: str) -> None:
     from rollout.attention.deterministic_backend import DeterministicAttention
     from rollout.cache.kv_pool import KVPool
     from rollout.kernels.options import KernelOptions
-    from rollout.model.forward_batch import ForwardBatch
+    from rollout.batch import ForwardBatch
 
     if path == "triton":
         pytest.importorskip("triton", reason="triton is not installed")

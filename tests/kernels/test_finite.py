@@ -1,5 +1,5 @@
 """The multi-tensor finiteness kernel (rollout/kernels/finite.py) against torch's own test,
-and `validate.first_non_finite` through it and through the torch path.
+and `kernels.first_non_finite` through it and through the torch path.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (CPU tensors' addresses work there as on a
 GPU); CHUNK is shrunk so that small tensors still span several programs, which is where a
@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from rollout.kernels import finite  # noqa: E402
-from rollout.validate import first_non_finite  # noqa: E402
+from rollout.kernels import first_non_finite  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -103,7 +103,7 @@ def test_first_non_finite_reaches_the_kernel_without_importing_it_first():
     # on CPU forced through the interpreter; on a GPU with CUDA tensors, as the engine does
     interpret = "os.environ.setdefault('TRITON_INTERPRET', '1')" if DEVICE == "cpu" else "pass"
     code = (f"import os, torch; {interpret}\n"
-            "from rollout.validate import first_non_finite\n"
+            "from rollout.kernels import first_non_finite\n"
             f"print(first_non_finite([torch.zeros(3, device='{DEVICE}'), torch.tensor([1.0, float('nan')], device='{DEVICE}')], "
             f"fused={True if DEVICE == 'cpu' else None}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

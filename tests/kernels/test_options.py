@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TinyModel
 from rollout import Engine, EngineConfig
-from rollout.kernels.batch_invariant import TileConfig
+from rollout.kernels.batch_invariant_tiles import TileConfig
 from rollout.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from rollout.model.llama import Linear, RMSNorm
 
@@ -93,7 +93,7 @@ def test_an_engine_hands_its_one_options_object_to_every_kernel_holder(llama: Ti
 def _one_token_batch(engine: Engine):
     import torch
 
-    from rollout.model.forward_batch import ForwardBatch
+    from rollout.batch import ForwardBatch
 
     one = torch.tensor([1])
     return ForwardBatch(input_ids=one, positions=torch.tensor([0]), out_cache_loc=one,

@@ -329,7 +329,7 @@ class _PoolBackend:
     step's K/V at `slots`; forward returns q (what attention reads is the pool, checked apart)."""
 
     def __init__(self, n_kv: int, d: int, dtype: torch.dtype, rows: int) -> None:
-        from rollout.cache.kv_pool import KVTarget
+        from rollout.kernels import KVTarget
 
         g = torch.Generator().manual_seed(5)
         caches = torch.randn(2, SLOTS, n_kv, d, generator=g).to(DEVICE, dtype)

@@ -20,12 +20,12 @@ if not torch.cuda.is_available():
 
 from lora import hook as lora_hook
 from lora.pool import LoraPool
-from lora.segments import plan_segments
 from rollout import kernels
+from rollout.batch import LoraInputs
 from rollout.kernels.options import KernelOptions
 from rollout.model.config import ModelConfig
-from rollout.model.forward_batch import LoraInputs
 from rollout.model.llama import LlamaModel
+from rollout.model.lora_segments import plan_segments
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ON_GPU = torch.cuda.is_available()

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from lora.pool import LoraPool
-from lora.segments import plan_segments
+from rollout.batch import LoraInputs
 from rollout.kernels.options import KernelOptions
 from rollout.model.config import ModelConfig
-from rollout.model.forward_batch import LoraInputs
 from rollout.model.llama import Linear
+from rollout.model.lora_segments import plan_segments
 from rollout.model.shapes import SHAPES
 
 MODEL = ModelConfig.from_dict(SHAPES["tiny"])

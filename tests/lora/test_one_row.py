@@ -124,7 +124,7 @@ class _PoolAttention:
     only folds where there is a store to make) runs: it returns v, repeated over q's heads."""
 
     def __init__(self, n_kv: int, d: int) -> None:
-        from rollout.cache.kv_pool import KVTarget
+        from rollout.kernels import KVTarget
 
         k, v = (torch.zeros(4, n_kv, d, device=DEVICE, dtype=DTYPE) for _ in range(2))
         self.target = KVTarget(k, v, torch.tensor([2], device=DEVICE))

@@ -29,8 +29,8 @@ import torch
 
 from lora import ops
 from lora.kernels import tiling
-from lora.segments import plan_segments
 from rollout.kernels.options import KernelOptions
+from rollout.model.lora_segments import plan_segments
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"

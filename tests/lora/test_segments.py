@@ -1,5 +1,5 @@
-"""lora.segments.plan_segments: a step's rows grouped by adapter slot, base rows dropped,
-padding for CUDA graphs. Checked on examples and, as a property, against a per-token loop."""
+"""rollout.model.lora_segments.plan_segments: a step's rows grouped by adapter slot, base rows
+dropped, padding for CUDA graphs. Checked on examples and, as a property, against a per-token loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora.segments import SegmentPlan, plan_segments
+from rollout.model.lora_segments import SegmentPlan, plan_segments
 
 
 def naive_plan(slots: list[int], extend_lens: list[int]) -> tuple[list[int], list[int], list[int]]:

@@ -19,7 +19,7 @@ from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.kernels.options import KernelOptions  # noqa: E402
 from rollout.model.runner import EXTEND_ROWS_KV, ModelRunner  # noqa: E402
 from rollout.request import Req  # noqa: E402
-from rollout.scheduler import ScheduledBatch  # noqa: E402
+from rollout.batch import ScheduledBatch  # noqa: E402
 
 NEW = 8
 

@@ -1,15 +1,44 @@
-"""ForwardBatch: everything one model step needs, as tensors on the device.
+"""The step's two batches, the typed boundary between the scheduler and the runner.
 
-Built by the runner from a ScheduledBatch. Requests with exactly one new token (decodes)
-come first, so `input_ids[:num_decode]` are their tokens; the rest are extends (prefill
-chunks, resumed requests). Per-request ragged layouts use CSR offsets (indptr).
+ScheduledBatch (CPU) is the scheduler's choice: which requests compute how many tokens this
+step. ForwardBatch (device) is the runner's layout of it: everything one model step needs,
+as tensors, which the attention backends plan from. In both, requests with exactly one new
+token (decodes) come first, so `input_ids[:num_decode]` are their tokens; the rest are
+extends (prefill chunks, resumed requests). Per-request ragged layouts use CSR offsets
+(indptr).
+
+Knows requests' counters and draft fields; nothing of how the batch was chosen or is run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rollout.request import Req
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]  # decodes (1 new token) first, then extends
+    extend_lens: list[int]  # tokens each request computes this step
+    num_decode: int
+    retracted: list[Req] = field(default_factory=list)
+
+    def produces_token(self, i: int) -> bool:
+        """Does request i reach the end of its known tokens (and drafts) this step, and so
+        sample (one token per draft position, plus one)?"""
+        req = self.reqs[i]
+        return req.num_computed_tokens + self.extend_lens[i] == req.seq_len + len(req.draft_tokens)
+
+    def samplers(self) -> list[Req]:
+        """The requests that sample this step, in batch order."""
+        if self.num_decode == len(self.reqs):  # decode-only: a decode always samples
+            return list(self.reqs)
+        return [r for i, r in enumerate(self.reqs) if self.produces_token(i)]
 
 
 @dataclass
@@ -26,7 +55,7 @@ class ForwardBatch:
     seq_lens: list[int]  # KV length of each request after this step
     num_decode: int
     # LoRA (None when the engine has no adapters enabled): which token rows run which
-    # adapter slot, grouped by slot (lora/segments.py).
+    # adapter slot, grouped by slot (rollout/model/lora_segments.py).
     lora: LoraInputs | None = None
     # Decode rows grouped by a shared KV prefix (n samples of a prompt), for attention that
     # reads each prefix once per group (rollout/attention/prefix_kernel.py); None: no groups.

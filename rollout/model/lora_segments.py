@@ -8,9 +8,10 @@ with ~32 rows instead of 1. Rows of base-model requests (slot -1) are left out e
 they cost the kernels nothing.
 
 Planning is numpy on the host (a few vector ops, no loop over tokens, no device work); the
-caller copies the three arrays into device tensors (static buffers for CUDA graphs, which
-``num_rows`` / ``num_segments`` pad to fixed sizes). This module knows nothing about what a
-slot holds or its rank.
+runner copies the three arrays into device tensors (ForwardBatch.lora, rollout/batch.py;
+static buffers for CUDA graphs, which ``num_rows`` / ``num_segments`` pad to fixed sizes).
+It is part of the runner's layout of a step, so it sits in the model layer, below lora/.
+This module knows nothing about what a slot holds or its rank.
 """
 
 from __future__ import annotations
