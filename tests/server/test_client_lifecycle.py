@@ -12,9 +12,7 @@ regression fails the test instead of hanging whatever allocates next.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import gc
 import os
 import queue
 import signal
@@ -28,6 +26,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+from gc_checks import collect_within_limit, collector_off, drop_in_cycle, ordinary_collection_s
 from server_fixtures import server, text_model  # noqa: F401 (fixtures)
 
 from rollout import SamplingParams
@@ -37,45 +36,9 @@ from rollout.server.launch import spawn_engine
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("lifecycle_child.py")
 LONG = SamplingParams(temperature=1.0, max_new_tokens=480, ignore_eos=True, seed=0)
-COLLECT_LIMIT_S = 1.0  # beyond what a collection with nothing of ours in it takes
-
-
-@contextlib.contextmanager
-def collector_off():
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 @pytest.fixture(scope="module")
 def ordinary_s(server) -> float:
-    """How long a full collection of this process takes with nothing of ours to collect (torch
-    and transformers loaded: 0.3-0.7 s on a loaded 2-core VM)."""
-    start = time.monotonic()
-    gc.collect()
-    return time.monotonic() - start
-
-
-def collect_within_limit(refs: list[weakref.ref], ordinary_s: float) -> None:
-    """gc.collect() in a thread returns within COLLECT_LIMIT_S of an ordinary collection's
-    time, and the clients behind `refs` are gone."""
-    limit = COLLECT_LIMIT_S + 2 * ordinary_s
-    thread = threading.Thread(target=gc.collect, daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        stack = "".join(traceback.format_stack(sys._current_frames()[thread.ident]))
-        pytest.fail(f"gc.collect() has not returned after {limit:.2f}s:\n{stack}")
-    assert all(ref() is None for ref in refs), "a dropped client was not collected"
-
-
-def drop_in_cycle(*objects: object) -> None:
-    cycle = list(objects)
-    cycle.append(cycle)
+    return ordinary_collection_s()
 
 
 def nowhere() -> str:
@@ -175,7 +138,7 @@ def test_a_dropped_client_is_collected_at_once(server, ordinary_s: float, state:
     make_sync, make_async = STATES[state]
     with collector_off():
         ref = make_sync(server.address) if kind == "sync" else asyncio.run(make_async(server.address))
-        collect_within_limit([ref], ordinary_s)
+        collect_within_limit([ref], ordinary_s, "client")
     engine_idle(server)
 
 
@@ -196,7 +159,7 @@ def test_clients_left_after_the_engine_was_killed(server, text_model, ordinary_s
     try:
         with collector_off():
             refs = _killed_under_clients(engine, child, lines)
-            collect_within_limit(refs, ordinary_s)
+            collect_within_limit(refs, ordinary_s, "client")
         child.stdin.write("killed\n")
         child.stdin.flush()
         try:

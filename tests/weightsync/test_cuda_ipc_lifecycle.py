@@ -12,18 +12,14 @@ regression fails the test instead of hanging whatever allocates next.
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
-import threading
-import time
-import traceback
-import weakref
 from pathlib import Path
 
 import pytest
 from _ipc_fakes import _endpoint, _model, cpu_ipc  # noqa: F401
+from gc_checks import collect_within_limit, collector_off, ordinary_collection_s
 from ipc_lifecycle_child import STATES
 
 from weightsync.transports import WeightSyncError
@@ -31,41 +27,19 @@ from weightsync.transports.cuda_ipc import CudaIpcSender
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("ipc_lifecycle_child.py")
-COLLECT_LIMIT_S = 1.0  # beyond what a collection with nothing of ours in it takes
 EXIT_LIMIT_S = 60.0  # the child's imports (torch) included, on a loaded machine
 
 
 @pytest.fixture(scope="module")
 def ordinary_s() -> float:
-    """How long a full collection of this process takes with nothing of ours to collect."""
-    start = time.monotonic()
-    gc.collect()
-    return time.monotonic() - start
-
-
-def collect_within_limit(refs: list[weakref.ref], ordinary_s: float) -> None:
-    """gc.collect() in a thread returns within COLLECT_LIMIT_S of an ordinary collection's
-    time, and the objects behind `refs` are gone."""
-    limit = COLLECT_LIMIT_S + 2 * ordinary_s
-    thread = threading.Thread(target=gc.collect, daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        stack = "".join(traceback.format_stack(sys._current_frames()[thread.ident]))
-        pytest.fail(f"gc.collect() has not returned after {limit:.2f}s:\n{stack}")
-    assert all(ref() is None for ref in refs), "a dropped sender or receiver was not collected"
+    return ordinary_collection_s()
 
 
 @pytest.mark.parametrize("state", list(STATES))
 def test_a_dropped_sender_is_collected_at_once(cpu_ipc, ordinary_s: float, state: str) -> None:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         refs = STATES[state]()
-        collect_within_limit(refs, ordinary_s)
-    finally:
-        if enabled:
-            gc.enable()
+        collect_within_limit(refs, ordinary_s, "sender or receiver")
     cpu_ipc.assert_balanced()
 
 
