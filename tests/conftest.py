@@ -14,7 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread per core: xdist's workers (and the engine, TP and launcher processes they
+# start, through OMP_NUM_THREADS) split the cores between them. More threads than cores makes
+# OpenMP's barriers spin on threads that are not running: two SmolLM2 decodes side by side on
+# this 2-core VM took 18x the CPU time at 2 threads each than at 1 (2026-12-07, under load).
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 # Without CUDA, Triton kernels run under the interpreter; it must be on before triton's first
 # import, which any test module (or peft / transformers) may trigger during collection.
 if not torch.cuda.is_available():
