@@ -26,6 +26,11 @@ os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The interpreter lists each triton.language module's builtins once, not on every helper call.
+from interpreter_builtins import list_builtins_once  # noqa: E402
+
+list_builtins_once()
+
 _COMMON = dict(
     vocab_size=160,
     hidden_size=64,
