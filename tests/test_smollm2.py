@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import SMOLLM2_KV_TOKENS
 from rollout import Engine, EngineConfig, SamplingParams
 
 QUESTIONS = [
@@ -16,9 +17,6 @@ QUESTIONS = [
     "Translate 'good morning' into Spanish.",
 ]
 NEW = 40  # every answer ends (EOS) by its 39th token
-# KV for 2048 tokens: these prompts and their answers take under 500. The CPU default (32768)
-# zeroes 1.5 GB of KV cache per engine, a third of building one.
-KV = 2048
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +40,7 @@ def chats(smollm2):
 def test_greedy_chat_completions_match_transformers(smollm2, chats) -> None:
     path, tok, hf = smollm2
     ids, expected = chats
-    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=KV))
+    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS))
     outs = engine.generate(input_ids=ids, sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW))
     assert [o.token_ids for o in outs] == expected
     assert "Paris" in outs[0].text
@@ -60,7 +58,7 @@ def test_greedy_chat_completions_match_transformers(smollm2, chats) -> None:
 
 def test_stop_strings_and_prompts_text(smollm2) -> None:
     path, tok, _ = smollm2
-    engine = Engine(EngineConfig(model=path, max_total_tokens=KV))
+    engine = Engine(EngineConfig(model=path, max_total_tokens=SMOLLM2_KV_TOKENS))
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True, tokenize=False)
     full = engine.generate(prompts=[prompt], sampling_params=SamplingParams(temperature=0, max_new_tokens=NEW))[0]
     assert full.finish_reason == "stop" and "Paris" in full.text
@@ -78,7 +76,7 @@ def test_speculative_greedy_equals_transformers(smollm2, chats, drafter: str) ->
     as plain decoding), raw log-probs within 1e-4, a second round drafting from the first."""
     path, _, hf = smollm2
     ids, expected = chats
-    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=KV, speculative=drafter,
+    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS, speculative=drafter,
                                  speculative_governor=False,
                                  draft_model=path if drafter == "draft" else None))  # the model drafting for itself
     params = SamplingParams(temperature=0, max_new_tokens=NEW, logprobs_mode="raw")
@@ -125,7 +123,7 @@ def test_tensor_parallel_3_equals_transformers_and_2_is_refused(smollm2, chats) 
     with pytest.raises(ValueError, match=r"num_attention_heads=9, num_key_value_heads=3 not divisible by 2.*\[1, 3\]"):
         TPEngine(EngineConfig(model=path, tensor_parallel_size=2))
     new = 12  # greedy is a prefix property: the first tokens of transformers' 40
-    with TPEngine(EngineConfig(model=path, page_size=16, max_total_tokens=KV, tensor_parallel_size=3,
+    with TPEngine(EngineConfig(model=path, page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS, tensor_parallel_size=3,
                                num_threads=1)) as engine:
         outs = engine.generate(input_ids=ids[:2], sampling_params=SamplingParams(temperature=0, max_new_tokens=new,
                                                                                   logprobs_mode="raw"))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from conftest import SMOLLM2_KV_TOKENS
 from rollout import Engine, EngineConfig, SamplingParams
 
 from _structured_helpers import (  # noqa: E402, F401 (fixtures)
@@ -16,8 +17,6 @@ from _structured_helpers import (  # noqa: E402, F401 (fixtures)
 
 pytest.importorskip("xgrammar")
 
-# KV for 2048 tokens (the batches here take under 1500); the CPU default zeroes 1.5 GB per engine
-KV = 2048
 QUESTIONS = ["Describe a person as JSON with a name and an age.",
              "Give a weather report as JSON: city, sunny, scores.",
              "Is the sky blue? Answer yes or no and say why."]
@@ -45,7 +44,7 @@ def check_outputs(outs, params, n: int, compiler) -> None:
 @pytest.fixture(scope="module")
 def engine(smollm2) -> Engine:
     """One engine for the tests that run plain schedules (each leaves no request behind)."""
-    return Engine(EngineConfig(model=smollm2[0], page_size=16, max_total_tokens=KV))
+    return Engine(EngineConfig(model=smollm2[0], page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS))
 
 
 @dataclass
