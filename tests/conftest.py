@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 # One intra-op thread per core: xdist's workers (and the engine, TP and launcher processes they
 # start, through OMP_NUM_THREADS) split the cores between them. More threads than cores makes
 # OpenMP's barriers spin on threads that are not running: two SmolLM2 decodes side by side on
-# this 2-core VM took 18x the CPU time at 2 threads each than at 1 (2026-12-07, under load).
+# this 2-core VM took 8 to 18 times the CPU time at 2 threads each as at 1 (2026-12-07).
 _THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch.set_num_threads(_THREADS)
 os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))

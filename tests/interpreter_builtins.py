@@ -5,14 +5,15 @@ Under TRITON_INTERPRET=1, every kernel launch, and every call of a @triton.jit h
 inside a kernel (once per program), swaps triton.language's builtins for interpreted ones.
 To find them, `_patch_builtin` lists the whole module with `inspect.getmembers` (a dir(), a
 getattr of every member, a sort) and keeps the builtins. A module's builtins never change, so
-the listing is the same every time; in the deterministic mode's interpreter run
-(tests/test_deterministic.py) it was a third of the test's time (cProfile, 2026-12-07).
+the listing is the same every time; it was a quarter to a third of the CPU time of the
+interpreted engine runs in tests/test_deterministic.py (2026-12-07, this 2-core VM).
 
 `list_builtins_once()` keeps the names of each module's builtins from its first listing and
 patches what `getattr` finds under those names, with the same `is_builtin` test: the same
 patches as before, in the same order (getmembers sorts by name; so does the kept list). A
 launch swaps all of a module's builtins and restores all of them, so one swapped builtin
 means the listing would find none.
+
 Nothing changes where the interpreter is off or where its internals are not the ones this
 was written against (triton 3.x's `_patch_builtin(pkg, builder, scope)` and `_patch_attr`).
 """
