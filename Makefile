@@ -24,9 +24,12 @@ demo-chat: install
 	$(PY) -m scripts.demo
 
 # two workers: most tests are one core of Python (interpreted kernels, engine loops, subprocesses
-# starting up), so on 2 cores the suite took 13.5 minutes instead of 19 (this VM, 2026-12-01)
+# starting up), so on 2 cores the suite took 13.5 minutes instead of 19 (this VM, 2026-12-01); each
+# worker runs torch on one thread (tests/conftest.py). worksteal: each worker starts on its half of
+# the suite in order (a module's tests stay together, its module fixtures built once) and an idle
+# worker takes half of what the other has left.
 test: install
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 bench-cpu: install
 	$(PY) -m benchmarks.cpu

@@ -17,11 +17,22 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread per core: xdist's workers (and the engine, TP and launcher processes they
+# start, through OMP_NUM_THREADS) split the cores between them. More threads than cores makes
+# OpenMP's barriers spin on threads that are not running: two SmolLM2 decodes side by side on
+# this 2-core VM took 8 to 18 times the CPU time at 2 threads each as at 1 (2026-12-07).
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 # Without CUDA, Triton kernels run under the interpreter; it must be on before triton's first
 # import, which any test module (or peft / transformers) may trigger during collection.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The interpreter lists each triton.language module's builtins once, not on every helper call.
+from interpreter_builtins import list_builtins_once  # noqa: E402
+
+list_builtins_once()
 
 # Tests marked whole_gpu run with no other test at once, whatever -n (gpu_lock.py); on a
 # machine without CUDA nothing is locked.
@@ -46,6 +57,7 @@ def pytest_runtest_protocol(item, nextitem):
 def _release_cuda_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+
 
 _COMMON = dict(
     vocab_size=160,
@@ -142,3 +154,8 @@ def smollm2():
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return str(path), tok, hf
+
+
+# The KV budget of SmolLM2 engines in tests (EngineConfig.max_total_tokens): their batches take
+# under 1500 tokens, and the CPU default (32768) zeroes 1.5 GB per engine, a third of building one.
+SMOLLM2_KV_TOKENS = 2048

@@ -127,13 +127,14 @@ def test_the_gpu_kernels_under_the_interpreter(llama: TinyModel, monkeypatch) ->
     kernels = KernelOptions(fused=True, deterministic_triton=True)  # every kernel on CPU tensors
     probe = make_prompts(llama.vocab_size, [19], seed=5)
     others = make_prompts(llama.vocab_size, [4, 11], seed=6)
-    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=2, ignore_eos=True)
+    # 2 tokens: the prefill's and one decode step's (whose KV the follow-up finds in the tree)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=2, ignore_eos=True)
     alone = _run(llama, probe, params, kernel_options=kernels)
     assert _run(llama, others + probe, params, max_prefill_tokens=8, kernel_options=kernels)[2:] == alone
-    greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
     engine = Engine(EngineConfig(model=llama.path, deterministic=True, kernel_options=kernels))
     first = engine.generate(input_ids=probe, sampling_params=greedy)[0]
-    assert first.token_ids == llama.greedy(probe[0], 4)
+    assert first.token_ids == llama.greedy(probe[0], 2)
     follow_up = probe[0] + first.token_ids + others[0]
     hit = engine.generate(input_ids=[follow_up], sampling_params=params)[0]
     assert hit.num_cached_tokens > len(probe[0])

@@ -187,15 +187,17 @@ def test_engine_n_samples_attend_their_prompt_once(llama, low_thresholds, page_s
         return attend(q, *rest)
 
     backend.attend = spy
-    greedy = SamplingParams(temperature=0, max_new_tokens=5, n=4, ignore_eos=True)
+    # 3 tokens: the prefill's, then two grouped decode steps (the interpreted decode steps are
+    # what this test costs on CPU)
+    greedy = SamplingParams(temperature=0, max_new_tokens=3, n=4, ignore_eos=True)
     outs = engine.generate(input_ids=prompts, sampling_params=greedy)
-    assert [o.token_ids for o in outs] == [llama.greedy(p, 5) for p in prompts for _ in range(4)]
+    assert [o.token_ids for o in outs] == [llama.greedy(p, 3) for p in prompts for _ in range(4)]
     assert grouped, "no decode step grouped the samples by their prompt"
     if graphs:  # (a graph's plan holds its static buffers, sized for its rows)
         assert engine.runner.graphs.num_shared_replays > 0
     else:
         assert max(grouped) == 2
-    sampled = SamplingParams(temperature=1.0, max_new_tokens=6, n=4, seed=3, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=4, n=4, seed=3, ignore_eos=True)
     engine.flush_cache()
     on = engine.generate(input_ids=prompts, sampling_params=sampled)
     engine.flush_cache()
@@ -228,7 +230,7 @@ def test_config_off_plans_no_groups_and_captures_no_shared_graphs(llama, low_thr
                                           device=engine.device, share_prefixes=runner.share_prefixes)
         runner.graphs.capture()
         counts[on] = len(runner.graphs.graphs)
-        params = SamplingParams(temperature=0, max_new_tokens=4, n=4, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_new_tokens=2, n=4, ignore_eos=True)  # one decode step
         engine.generate(input_ids=make_prompts(llama.vocab_size, [37], seed=5), sampling_params=params)
         assert (runner.graphs.num_shared_replays > 0) is on
     assert counts == {True: 2 * 4 - 1, False: 4}  # sizes 1, 2, 4, 8; one row never shares

@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 
+from conftest import SMOLLM2_KV_TOKENS  # noqa: E402
 from rollout import Engine, EngineConfig  # noqa: E402
 from rollout.server.openai_backend import InProcessBackend  # noqa: E402
 from rollout.server.openai_http import ServerThread, build_app, load_tokenizer  # noqa: E402
@@ -37,7 +38,7 @@ def client():
     from rollout.model.fetch import fetch_default_model
 
     path = str(fetch_default_model())
-    engine = Engine(EngineConfig(model=path, page_size=16))
+    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS))
     backend = InProcessBackend(engine)
     server = ServerThread(build_app(backend, load_tokenizer(path), MODEL,
                                     Limits(engine.context_len, engine.model_config.vocab_size))).start()

@@ -4,9 +4,12 @@ speculation, abort."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
+from conftest import SMOLLM2_KV_TOKENS
 from rollout import Engine, EngineConfig, SamplingParams
 
 from _structured_helpers import (  # noqa: E402, F401 (fixtures)
@@ -38,27 +41,54 @@ def check_outputs(outs, params, n: int, compiler) -> None:
             assert len({o.text for o in group}) > 1
 
 
-def test_mixed_batch_constrained_rows_parse_unconstrained_rows_unchanged(smollm2, xgr_compiler) -> None:
-    path, tok, _ = smollm2
-    engine = Engine(EngineConfig(model=path, page_size=16))
-    prompts, params = constrained_batch(tok)
+@pytest.fixture(scope="module")
+def engine(smollm2) -> Engine:
+    """One engine for the tests that run plain schedules (each leaves no request behind)."""
+    return Engine(EngineConfig(model=smollm2[0], page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS))
+
+
+@dataclass
+class PlainRun:
+    """One plain run of a mixed batch: the constrained rows (n = 4 sampled of each constraint,
+    then n = 2 greedy) and two unconstrained requests after them."""
+
+    prompts: list[list[int]]  # the constrained rows' prompts and parameters
+    params: list[SamplingParams]
+    outs: list  # the constrained rows' outputs: what every other schedule of them must emit
+    free_prompts: list[list[int]]
+    free: list[SamplingParams]
+    free_outs: list
+    compiled: int  # grammars the engine compiled (and failed to) for the batch
+    failed: int
+
+
+@pytest.fixture(scope="module")
+def plain_run(smollm2, engine) -> PlainRun:
+    tok = smollm2[1]
+    prompts, params = constrained_batch(tok, n=4)
+    params.append(SamplingParams(json_schema=SCHEMAS[0], temperature=0, n=2, max_new_tokens=64))
+    prompts.append(prompts[0])
     free_prompts = [chat(tok, "Write a short poem."), chat(tok, "What is 2 + 2?")]
     free = [SamplingParams(temperature=1.0, n=2, seed=7, max_new_tokens=24), SamplingParams(temperature=0, max_new_tokens=24)]
     outs = engine.generate(input_ids=prompts + free_prompts, sampling_params=params + free)
-    check_outputs(outs[:12], params, 4, xgr_compiler)
-    alone = engine.generate(input_ids=free_prompts, sampling_params=free)
-    for mixed, ref in zip(outs[12:], alone):
+    stats = engine.structured.compiler.stats
+    return PlainRun(prompts, params, outs[:14], free_prompts, free, outs[14:], stats.compiled, stats.failed)
+
+
+def test_mixed_batch_constrained_rows_parse_unconstrained_rows_unchanged(engine, plain_run, xgr_compiler) -> None:
+    run = plain_run
+    check_outputs(run.outs[:12], run.params[:3], 4, xgr_compiler)
+    alone = engine.generate(input_ids=run.free_prompts, sampling_params=run.free)
+    for mixed, ref in zip(run.free_outs, alone):
         assert mixed.token_ids == ref.token_ids
         torch.testing.assert_close(torch.tensor(mixed.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
-    stats = engine.structured.compiler.stats
-    assert stats.compiled == 3 and stats.failed == 0
+    assert run.compiled == 3 and run.failed == 0
 
 
-def test_logprobs_raw_and_processed_against_transformers_with_the_same_mask(smollm2, xgr_compiler) -> None:
+def test_logprobs_raw_and_processed_against_transformers_with_the_same_mask(smollm2, engine, xgr_compiler) -> None:
     """processed: log-softmax of the masked, temperature-scaled logits; raw: of the model's own;
     greedy: each token is the argmax of transformers' masked logits (one teacher-forced pass)."""
     path, tok, hf = smollm2
-    engine = Engine(EngineConfig(model=path, page_size=16))
     prompt = chat(tok, QUESTIONS[0])
     cases = [SamplingParams(json_schema=SCHEMAS[0], temperature=0.7, seed=5, max_new_tokens=48),
              SamplingParams(regex=REGEX, temperature=1.3, seed=6, max_new_tokens=48),
@@ -81,18 +111,6 @@ def test_logprobs_raw_and_processed_against_transformers_with_the_same_mask(smol
             assert (ref > ref_raw).any()  # the mask moved mass: the two modes differ
 
 
-@pytest.fixture(scope="module")
-def plain_run(smollm2):
-    """The batch with n = 4 sampled and 2 greedy samples, run plainly: what every other
-    schedule of it must emit."""
-    path, tok, _ = smollm2
-    prompts, params = constrained_batch(tok, n=4)
-    params.append(SamplingParams(json_schema=SCHEMAS[0], temperature=0, n=2, max_new_tokens=64))
-    prompts.append(prompts[0])
-    outs = Engine(EngineConfig(model=path, page_size=16)).generate(input_ids=prompts, sampling_params=params)
-    return prompts, params, outs
-
-
 @pytest.mark.parametrize("config", [dict(max_total_tokens=256, overlap_schedule=True),
                                     dict(max_total_tokens=256, speculative="suffix", speculative_governor=False)],
                          ids=["tight-kv-overlap", "tight-kv-suffix-speculation"])
@@ -102,7 +120,7 @@ def test_retraction_overlap_and_speculation_give_the_plain_run(smollm2, xgr_comp
     (trimmed to the grammar, the matcher stepping through them and rolled back) emits the
     plain run's tokens exactly."""
     path = smollm2[0]
-    prompts, params, plain = plain_run
+    prompts, params, plain = plain_run.prompts, plain_run.params, plain_run.outs
     engine = Engine(EngineConfig(model=path, page_size=16, **config))
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -117,7 +135,7 @@ def test_retraction_overlap_and_speculation_give_the_plain_run(smollm2, xgr_comp
     assert engine.kv.used_slots() == 0
 
 
-def test_a_request_waits_for_its_grammar_while_others_run_and_aborts_cleanly(smollm2, xgr_compiler) -> None:
+def test_a_request_waits_for_its_grammar_while_others_run_and_aborts_cleanly(smollm2, engine, xgr_compiler) -> None:
     """A grammar still compiling (a Future planted in the cache, left pending) holds back its
     requests only: an unconstrained request runs to the end meanwhile; one waiting request is
     aborted; once the grammar is there the other runs and follows it. Aborting a running
@@ -125,8 +143,7 @@ def test_a_request_waits_for_its_grammar_while_others_run_and_aborts_cleanly(smo
     import re
     from concurrent.futures import Future
 
-    path, tok, _ = smollm2
-    engine = Engine(EngineConfig(model=path, page_size=16))
+    tok = smollm2[1]
     prompt = chat(tok, QUESTIONS[2])
     params = SamplingParams(regex=REGEX, temperature=0, max_new_tokens=32)
     compiling: Future = Future()

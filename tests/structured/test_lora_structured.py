@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from conftest import SMOLLM2_KV_TOKENS
 from rollout import Engine, EngineConfig, SamplingParams
 
 from _structured_helpers import REGEX, SCHEMAS, chat, reference_logits, xgr_compiler  # noqa: E402, F401 (fixtures)
@@ -34,7 +35,8 @@ def test_constrained_rows_under_an_adapter_and_the_base_model(smollm2, xgr_compi
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(str(tmp_path))
-    engine = Engine(EngineConfig(model=path, page_size=16, enable_lora=True, max_lora_rank=8))
+    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS, enable_lora=True,
+                                 max_lora_rank=8))
     [adapter_dir] = {p.parent for p in tmp_path.rglob("adapter_config.json")}  # peft nests named adapters
     engine.load_lora_adapter("tool", str(adapter_dir))
     prompts = [chat(tok, "Describe a person as JSON with a name and an age."),

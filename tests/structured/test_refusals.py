@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from conftest import SMOLLM2_KV_TOKENS
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.structured.spec import GrammarSpec
 
@@ -45,7 +46,7 @@ def _dumps(value) -> str:
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    return Engine(EngineConfig(model=smollm2[0], page_size=16))
+    return Engine(EngineConfig(model=smollm2[0], page_size=16, max_total_tokens=SMOLLM2_KV_TOKENS))
 
 
 @pytest.mark.parametrize("kwargs, field", [
