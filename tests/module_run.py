@@ -48,13 +48,14 @@ def run_main(module: str, *args: str, capsys: pytest.CaptureFixture[str], interp
 @contextmanager
 def _process_state_kept() -> Iterator[None]:
     env = dict(os.environ)
-    threads, dtype, rng = torch.get_num_threads(), torch.get_default_dtype(), torch.random.get_rng_state()
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        yield
+        with torch.random.fork_rng(devices=cuda_rngs):
+            yield
     finally:
         for name in set(os.environ) - set(env):
             del os.environ[name]
         os.environ.update(env)
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
-        torch.random.set_rng_state(rng)
