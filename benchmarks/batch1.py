@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -44,7 +45,7 @@ def variant_options(variant: str) -> tuple[str, KernelOptions]:
                                     silu_epilogue=silu == "silu", rope_epilogue=rope == "rope")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama8b")
     p.add_argument("--variants", nargs="+",
@@ -53,7 +54,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
     from benchmarks.common.steady import PhaseTimer, run_to_decode

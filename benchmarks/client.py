@@ -23,6 +23,7 @@ import argparse
 import gc
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,7 @@ def run_all(generate, args, vocab: int, params) -> dict[int, Timing]:
             for batch in args.batches}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per batch size (the median is reported)")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.server import RolloutClient

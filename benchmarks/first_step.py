@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 import torch
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama8b")
     p.add_argument("--input-len", type=int, nargs="+", default=[128])
@@ -30,7 +31,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--cprofile", type=int, default=0, help="also the first step under cProfile: its top N Python functions")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
     from benchmarks.common.steady import PhaseTimer

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 import torch
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--page-size", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import write_shape_dir

@@ -28,6 +28,7 @@ import gc
 import pstats
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -282,7 +283,7 @@ def cpu(args) -> None:
     print(f"greedy tokens equal to peft: {same}/{args.prompts}")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--workloads", nargs="+", default=["a", "p", "b", "s"])
@@ -305,7 +306,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the GPU rows (with --shape tiny)")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new", type=int, default=24)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cpu(args) if args.cpu else gpu(args)
 
 

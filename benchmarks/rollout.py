@@ -26,6 +26,7 @@ import gc
 import json
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,7 +204,7 @@ def hf_generate(model_dir: str, cfg: dict, batch: int, input_len: int, output_le
     return tps
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"])
@@ -247,7 +248,7 @@ def main() -> None:
     parser.add_argument("--small-decode-rows", nargs="+", type=int, default=[None],
                         help="decode graphs of at most this many rows attend with the Triton kernel, larger ones "
                              "with FlashInfer (KernelOptions.small_decode_rows; default: the engine's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
 

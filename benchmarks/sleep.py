@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -34,14 +35,14 @@ def device_used_bytes(device: torch.device) -> int:
     return total - free
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cycles", type=int, default=10)
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--track", type=int, default=0, help="print memory every N cycles")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.loader import iter_hf_views

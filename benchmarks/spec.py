@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -389,7 +390,7 @@ def gpu(args) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="CPU: timed runs per variant (the fastest is kept)")
@@ -457,7 +458,7 @@ def main() -> None:
     parser.add_argument("--profile-draft", action="store_true", help="--gpu: cProfile a draft-model run at the first batch")
     parser.add_argument("--accepted", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0],
                         help="mean accepted lengths to turn GPU step costs into speedups (measure them on CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.host_only:
         host(args)
     elif args.gpu_governor:

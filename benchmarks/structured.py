@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ def _engine(args) -> Engine:
                                gpu_memory_fraction=0.85))
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="the Llama-3.1-8B shape on cuda (random weights)")
     parser.add_argument("--tokenizer", help="--gpu: a directory with SmolLM2's tokenizer files")
@@ -53,7 +54,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16 CPU, 64 GPU)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 CPU, 128 GPU)")
     parser.add_argument("--repeats", type=int, default=2, help="alternate the two batches this many times, keep the best")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.gpu and not args.tokenizer:
         parser.error("--gpu needs --tokenizer DIR (SmolLM2's tokenizer.json and tokenizer_config.json)")
     args.batch = args.batch or (256 if args.gpu else 16)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -63,7 +64,7 @@ def summarize(prof, steps: int, wall_ms: float, top: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--batch", type=int, default=256)
@@ -76,7 +77,7 @@ def main() -> None:
                         help="also print the wall time of each of the run's first N steps (the prefill chunks and "
                              "the switch to decode; with --windows 0 ... their kernels too)")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny (no GPU profile)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.model.shapes import SHAPES, write_shape_dir

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 import torch
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--batch", type=int, default=256)
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, default=None,
                         help="EngineConfig.max_running_requests and cuda_graph_max_bs (default: the batch): the "
                              "benchmarks' engines use 512, which captures graphs up to 512 rows")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.kernels.options import KernelOptions

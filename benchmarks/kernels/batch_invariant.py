@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -91,14 +92,14 @@ def time_ms(fn, copies: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 512, 8192])
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run on tiny shapes (needs TRITON_INTERPRET=1)")
     parser.add_argument("--k-chunk", type=int, default=None,
                         help="time the shipped choice and the candidates with this K chunk instead (a what-if: "
                              "other bits, so 'row alone' compares against the shipped choice at that chunk)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from rollout.kernels import batch_invariant as bi
     from rollout.kernels.options import KernelOptions
 

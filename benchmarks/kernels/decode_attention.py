@@ -17,7 +17,7 @@ flat amax over a buffer of the same bytes (what a plain read reaches in this run
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ def engine_layout(batch: int, prompt: int, context: int, page_size: int, device:
     return indptr, indices, nxt * p
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 64])
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device, _, dtype = kernel_bench_device(args.device, None)
     gpu = device.type == "cuda"
     if not gpu:

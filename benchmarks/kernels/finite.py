@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,14 +44,14 @@ def model_tensors(shape: str, device: torch.device, dtype: torch.dtype) -> list[
     return out
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=None, help="model shape (rollout.model.shapes; default llama8b, cpu: tiny)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--chunks", type=int, nargs="+", default=None, help="log2 of CHUNK (elements per program)")
     p.add_argument("--blocks", type=int, nargs="+", default=None, help="BLOCK (elements per load)")
     p.add_argument("--warps", type=int, nargs="+", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device, shape, dtype = kernel_bench_device(args.device, args.shape)  # before triton's import
     from rollout.kernels import finite
 

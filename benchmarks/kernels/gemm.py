@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +69,7 @@ def _call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor, zero
     return F.linear(x, w, zero if variant == "bias0" else None)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=None, help="rollout.model.shapes name (default llama8b; cpu: tiny)")
     p.add_argument("--device", default="cuda")
@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--triton", nargs="*", type=parse_config, default=None,
                    help=f"stream_k configs (default on a GPU: {' '.join(DEFAULT_TRITON)}; cpu: two tiny ones)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device, shape, dtype = kernel_bench_device(args.device, args.shape)
     gpu = device.type == "cuda"
     rows = args.rows or ([128, 256, 512, 8192] if gpu else [4, 16])

@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -223,7 +223,7 @@ def decode_step(args: argparse.Namespace, timer: Timer, device: torch.device, dt
     print(f"PDL available here: {sgmv.pdl_enabled(device)}")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=None, help="model shape (rollout.model.shapes; default llama8b, cpu: tiny)")
     p.add_argument("--rank", type=int, default=16)
@@ -234,7 +234,7 @@ def main() -> None:
     p.add_argument("--only", choices=("ops", "step"), default=None, help="run one of the two tables")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default 1 16 64 256)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of every table (Triton interpreter)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --device cpu for a smoke run)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,13 +46,13 @@ def projections(shape: str) -> dict[str, tuple[int, int, int]]:
             "gate_up": (2 * i, h, layers), "down": (h, i, layers), "lm_head": (cfg.vocab_size, h, 1)}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=None, help="rollout.model.shapes name (default llama8b; cpu: tiny)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--only", nargs="+", default=None, help="projections to sweep (default all)")
     p.add_argument("--quick", action="store_true", help="the default launch shape only")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device, shape, dtype = kernel_bench_device(args.device, args.shape)  # before triton's import
     from rollout.kernels import skinny
 

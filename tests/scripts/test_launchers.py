@@ -3,12 +3,13 @@
 - data-parallel rollout: rank 0's gathered results equal one engine's generate() on the
   same prompts, in the same order (n=2 sampled with a seed, split strided over two engines,
   and split contiguously over two engines of two TP ranks each);
-- disaggregated loop: 1 trainer + 1 engine, 2 steps: the engine goes 0 -> 1 -> 2, rollouts
-  carry the version that made them, and greedy output after each sync equals
-  transformers with the trainer's saved weights of that step;
-- failures: a rank that hangs makes its peer fail by the timeout with a report naming it;
-  a rank that leaves silently (exit code 0, which torchrun does not treat as a failure)
-  makes its peer fail at once.
+- disaggregated loop: 2 trainer ranks (DDP) + 1 engine, 2 steps: the engine goes 0 -> 1 -> 2,
+  rollouts carry the version that made them, and greedy output after each sync equals
+  transformers with trainer rank 0's saved weights of that step;
+- failures: a rank that hangs makes its peer fail by the timeout with a report naming it
+  (with 1 trainer rank, after a whole step checked against transformers); a rank that
+  leaves silently (exit code 0, which torchrun does not treat as a failure) makes its peer
+  fail at once.
 
 Each launch is a real `python -m torch.distributed.run` subprocess, started outside the
 repo (cwd = a temp dir, no PYTHONPATH) to check that the launchers run from a clean clone.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,14 +117,19 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_disagg_two_steps_sync_the_trainers_weights(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
+def test_disagg_two_ddp_trainer_ranks_sync_the_trainers_weights(tiny: TinyModel, prompts_file: Path,
+                                                                tmp_path: Path) -> None:
+    """T = 2: both trainer ranks get the rollouts, DDP keeps them identical, rank 0 alone
+    sends; --verify checks the engine against rank 0's weights after each step, and the
+    probes equal transformers with the weights rank 0 saved. One trainer rank (no DDP) runs
+    its whole step, verified the same way, in test_hung_engine_rank_makes_the_trainer_fail_by_the_timeout."""
     from transformers import AutoModelForCausalLM
 
     out_file, save_dir = tmp_path / "run.json", tmp_path / "ckpt"
-    proc, _ = torchrun("launch_disagg.py", "--model", tiny.path, "--trainer-ranks", "1", "--prompts", str(prompts_file),
+    proc, _ = torchrun("launch_disagg.py", "--model", tiny.path, "--trainer-ranks", "2", "--prompts", str(prompts_file),
                        "--steps", "2", "--samples", "2", "--max-new-tokens", "6", "--lr", "0.5", "--verify",
                        "--probe-tokens", "6", "--save-dir", str(save_dir), "--output", str(out_file), "--timeout-s", "60",
-                       cwd=tmp_path)
+                       nproc=3, cwd=tmp_path)
     _check_ok(proc)
     steps = json.loads(out_file.read_text())["steps"]
     assert [s["rollout_versions"] for s in steps] == [[0], [1]], "rollouts carry the version that made them"
@@ -138,31 +145,28 @@ def test_disagg_two_steps_sync_the_trainers_weights(tiny: TinyModel, prompts_fil
     assert steps[1]["probe_tokens"] != steps[0]["probe_tokens"]
 
 
-def test_disagg_with_two_ddp_trainer_ranks(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
-    """T = 2: both trainer ranks get the rollouts, DDP keeps them identical, rank 0 alone
-    sends; --verify checks the engine against rank 0's weights after each step."""
-    out_file = tmp_path / "run.json"
-    proc, _ = torchrun("launch_disagg.py", "--model", tiny.path, "--trainer-ranks", "2", "--prompts", str(prompts_file),
-                       "--steps", "2", "--max-new-tokens", "4", "--lr", "0.5", "--verify", "--probe-tokens", "4",
-                       "--output", str(out_file), "--timeout-s", "60", nproc=3, cwd=tmp_path)
-    _check_ok(proc)
-    steps = json.loads(out_file.read_text())["steps"]
-    assert [s["engine_versions_after_sync"] for s in steps] == [[1], [2]]
-    assert all(s["verified"] for s in steps)
-
-
 # ---- failures ----------------------------------------------------------------------------
 def test_hung_engine_rank_makes_the_trainer_fail_by_the_timeout(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:
-    timeout_s = 8
+    """One trainer rank: step 1 runs whole (trained, synced, the probe checked against
+    transformers), then the engine hangs in step 2 and the trainer fails by the timeout.
+    5 s: more than the ranks' start-up skew before step 1's first collective (the trainer
+    imports transformers while the engine waits: up to 3.1 s beside a busy core on a 2-core
+    VM, 2026-12-08), which the same timeout bounds."""
+    timeout_s = 5
     proc, elapsed = torchrun("launch_disagg.py", "--model", tiny.path, "--prompts", str(prompts_file), "--steps", "2",
-                             "--max-new-tokens", "4", "--timeout-s", str(timeout_s),
-                             "--die-at-step", "1", "--die-rank", "1", "--die-mode", "hang", cwd=tmp_path, timeout=120)
+                             "--max-new-tokens", "4", "--lr", "0.5", "--verify", "--probe-tokens", "4",
+                             "--timeout-s", str(timeout_s), "--die-at-step", "2", "--die-rank", "1", "--die-mode", "hang",
+                             cwd=tmp_path, timeout=120)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     assert elapsed < timeout_s + 40, f"took {elapsed:.0f} s"
-    assert "[rank 0 trainer 0] FAILED in 'step 1 rollouts: gather on rank 0'" in log, log[-3000:]
+    step1 = next((line for line in proc.stdout.splitlines() if line.startswith("[disagg step 1/2]")), "")
+    assert "rollouts made by versions [0]; engines now at [1], probe versions [1], probe == transformers" in step1, \
+        log[-3000:]
+    failed = re.search(r"\[rank 0 trainer 0\] FAILED in 'step 2 rollouts: gather on rank 0' after ([0-9.]+) s "
+                       rf"\(collective timeout {timeout_s} s", log)
+    assert failed and float(failed[1]) >= timeout_s and "Timed out" in log, log[-3000:]
     assert "rank 1 (engine 0): last at" in log, log[-3000:]
-    assert "Timed out" in log
 
 
 def test_silently_exited_rank_makes_its_peer_fail_at_once(tiny: TinyModel, prompts_file: Path, tmp_path: Path) -> None:

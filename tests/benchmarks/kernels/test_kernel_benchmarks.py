@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from module_run import run_module
+from module_run import run_main
 
 
-def test_bench_batch_invariant_smoke_on_cpu() -> None:
+def test_bench_batch_invariant_smoke_on_cpu(capsys) -> None:
     """The matmul bench on tiny shapes under the interpreter: every path it times (pointer,
     split, TMA, the "before" kernel, the CPU BLAS in cuBLAS's column) runs and the sums print."""
     import os
@@ -16,16 +16,18 @@ def test_bench_batch_invariant_smoke_on_cpu() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels under TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
     # chunks of 512: the tiny shapes' K (1088, 1600) then spans several, so the split path runs
-    text = run_module("benchmarks.kernels.batch_invariant", "--device", "cpu", "--rows", "1", "40", "--k-chunk", "512")
+    text = run_main("benchmarks.kernels.batch_invariant", "--device", "cpu", "--rows", "1", "40", "--k-chunk", "512",
+                    capsys=capsys, interpreted=True)
     sums = [line for line in text.splitlines() if line.startswith("rows ")]
     assert len(sums) == 2 and all("shipped" in line and "before" in line for line in sums), text[-2000:]
     assert "16x64x128x4x3/split" in text and "64x128x64x4x4/tma" in text, text[-2000:]
 
 
-def test_sgmv_bench_tables_smoke_on_cpu() -> None:
+def test_sgmv_bench_tables_smoke_on_cpu(capsys) -> None:
     """Both tables of python -m benchmarks.kernels.sgmv on the tiny shape, the kernels under the
     interpreter: per projection, and the decode step in the four launch modes."""
-    text = run_module("benchmarks.kernels.sgmv", "--device", "cpu", "--layers", "1")  # one layer: the tables, not the walk
+    # one layer: the tables, not the walk
+    text = run_main("benchmarks.kernels.sgmv", "--device", "cpu", "--layers", "1", capsys=capsys, interpreted=True)
     assert sum(line.startswith(("qkv ", "o ", "gate_up ", "down ")) for line in text.splitlines()) == 4 * 6, text
     steps = [line.split() for line in text.splitlines() if line[:1].isdigit()]
     assert [row[:2] for row in steps] == [["1", "1"], ["4", "1"], ["4", "2"]], text[-1500:]
@@ -34,30 +36,30 @@ def test_sgmv_bench_tables_smoke_on_cpu() -> None:
     assert "PDL available here: False" in text
 
 
-def test_finite_check_sweep_smoke_on_cpu() -> None:
+def test_finite_check_sweep_smoke_on_cpu(capsys) -> None:
     """python -m benchmarks.kernels.finite on the tiny shape under the interpreter: the
     model's tensors, the copy and read peers, one swept variant (checked, then timed)."""
-    text = run_module("benchmarks.kernels.finite", "--device", "cpu")
+    text = run_main("benchmarks.kernels.finite", "--device", "cpu", capsys=capsys, interpreted=True)
     assert "tiny: 21 tensors" in text and "copy (read + write)" in text and "flat amax (read)" in text, text
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
     assert [row[:3] for row in rows] == [["4096", "1024", "4"]], text
     assert "best: CHUNK=4096 BLOCK=1024 warps=4" in text
 
 
-def test_skinny_matmul_sweep_smoke_on_cpu() -> None:
+def test_skinny_matmul_sweep_smoke_on_cpu(capsys) -> None:
     """python -m benchmarks.kernels.skinny on the tiny shape under the interpreter: each
     projection against F.linear (checked, then timed) and the step's total."""
-    text = run_module("benchmarks.kernels.skinny", "--device", "cpu")
+    text = run_main("benchmarks.kernels.skinny", "--device", "cpu", capsys=capsys, interpreted=True)
     names = [line.split()[0] for line in text.splitlines() if "cuBLAS" in line and "N=" in line]
     assert names == ["qkv", "o", "gate_up", "down", "lm_head"], text
     assert "a step's projections: cuBLAS" in text, text
 
 
-def test_bench_gemm_smoke_on_cpu() -> None:
+def test_bench_gemm_smoke_on_cpu(capsys) -> None:
     """python -m benchmarks.kernels.gemm on the tiny shape: every projection at each row count
     through each variant, the stream-K kernel's two included (checked against fp32, then timed),
     and the step sums."""
-    text = run_module("benchmarks.kernels.gemm", "--device", "cpu")
+    text = run_main("benchmarks.kernels.gemm", "--device", "cpu", capsys=capsys, interpreted=True)
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["qkv"], ["o"], ["gate_up"], ["down"],
                                                                                ["lm_head"])]
     assert [(r[0], r[3]) for r in rows] == [(p, m) for p in ("qkv", "o", "gate_up", "down", "lm_head")
@@ -66,9 +68,9 @@ def test_bench_gemm_smoke_on_cpu() -> None:
     assert "a step's projections at M=16: cublas" in text and "tiles 16x32x32 w4 s2" in text, text
 
 
-def test_bench_decode_smoke_on_cpu() -> None:
+def test_bench_decode_smoke_on_cpu(capsys) -> None:
     """The decode-attention bench on its tiny CPU shape: the Triton rows run (under the
     interpreter) and match the fp32 reference (FlashInfer's rows need a GPU)."""
-    text = run_module("benchmarks.kernels.decode_attention", "--device", "cpu")
+    text = run_main("benchmarks.kernels.decode_attention", "--device", "cpu", capsys=capsys, interpreted=True)
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| 3 | 40 | triton")]
     assert len(rows) == 2 and all(float(r[-2]) < 1e-3 for r in rows), text[-1500:]
