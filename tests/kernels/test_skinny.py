@@ -257,6 +257,16 @@ ROPE_SHAPES = [(4, 2, 8, 40), (3, 1, 6, 33), (2, 2, 4, 16), (2, 1, 16, 72)]
 SLOTS = 9
 
 
+# (dtype, tiles, (position, slot, index dtype)) of each call. A GPU runs every combination; the
+# interpreter (seconds a launch) runs a table in which each dtype, tile shape and end of the
+# position and slot ranges appears, since none of them depends on another.
+_ROPE_TILES = SMALL + [skinny.Tiles(2, 32, 1)]
+_ROPE_ENDS = [(0, 0, torch.int64), (47, SLOTS - 1, torch.int32)]
+ROPE_RUNS = ([(dt, t, e) for dt in DTYPES for t in _ROPE_TILES + [None] for e in _ROPE_ENDS] if GPU else
+             [(DTYPES[0], _ROPE_TILES[0], _ROPE_ENDS[0]), (DTYPES[1], _ROPE_TILES[1], _ROPE_ENDS[1]),
+              (DTYPES[1], _ROPE_TILES[2], _ROPE_ENDS[0]), (DTYPES[0], _ROPE_TILES[2], _ROPE_ENDS[1])])
+
+
 def _rope_case(n_q: int, n_kv: int, d: int, k: int, dtype: torch.dtype, bias: bool, seed: int):
     x, w, b = _case(1, (n_q + 2 * n_kv) * d, k, dtype, bias, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -277,24 +287,22 @@ def test_rope_kv_epilogue_is_the_gemv_then_the_rotary_with_its_store(n_q, n_kv, 
     token's slot is written."""
     from rollout.kernels import rotary
 
-    for dtype in DTYPES:
+    for dtype, tiles, (pos, slot, int_dtype) in ROPE_RUNS:
         x, w, b, cos, sin, caches = _rope_case(n_q, n_kv, d, k, dtype, bias, seed=n_q * d + k)
-        for tiles in SMALL + [skinny.Tiles(2, 32, 1)] + ([None] if GPU else []):
-            for pos, slot, int_dtype in ((0, 0, torch.int64), (47, SLOTS - 1, torch.int32)):
-                kc, vc = caches[0].clone(), caches[1].clone()
-                rope = skinny.RopeKV(cos, sin, _ints(pos, int_dtype), kc, vc, _ints(slot, int_dtype), n_q, n_kv)
-                y = skinny.linear_rope_kv(x, w, b, rope, tiles=tiles)
-                qkv = skinny.linear(x, w, b, tiles=tiles)
-                q, kk, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-                ref_kc, ref_vc = caches[0].clone(), caches[1].clone()
-                q, kk = rotary.rotary_embedding(q.view(1, n_q, d), kk.view(1, n_kv, d), cos, sin, _ints(pos),
-                                                v=v.view(1, n_kv, d), k_cache=ref_kc, v_cache=ref_vc,
-                                                slots=_ints(slot))
-                case = (dtype, tiles, pos, slot)
-                assert y.shape == qkv.shape and torch.equal(y, torch.cat([q.flatten(), kk.flatten(), v.flatten()]).view(1, -1)), case
-                assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc), case
-                others = torch.arange(SLOTS, device=DEVICE) != slot
-                assert torch.equal(kc[others], caches[0][others]) and torch.equal(vc[others], caches[1][others]), case
+        kc, vc = caches[0].clone(), caches[1].clone()
+        rope = skinny.RopeKV(cos, sin, _ints(pos, int_dtype), kc, vc, _ints(slot, int_dtype), n_q, n_kv)
+        y = skinny.linear_rope_kv(x, w, b, rope, tiles=tiles)
+        qkv = skinny.linear(x, w, b, tiles=tiles)
+        q, kk, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+        ref_kc, ref_vc = caches[0].clone(), caches[1].clone()
+        q, kk = rotary.rotary_embedding(q.view(1, n_q, d), kk.view(1, n_kv, d), cos, sin, _ints(pos),
+                                        v=v.view(1, n_kv, d), k_cache=ref_kc, v_cache=ref_vc,
+                                        slots=_ints(slot))
+        case = (dtype, tiles, pos, slot)
+        assert y.shape == qkv.shape and torch.equal(y, torch.cat([q.flatten(), kk.flatten(), v.flatten()]).view(1, -1)), case
+        assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc), case
+        others = torch.arange(SLOTS, device=DEVICE) != slot
+        assert torch.equal(kc[others], caches[0][others]) and torch.equal(vc[others], caches[1][others]), case
 
 
 def test_rope_kv_epilogue_refuses_bad_input():
