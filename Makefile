@@ -28,8 +28,11 @@ demo-chat: install
 # worker runs torch on one thread (tests/conftest.py). worksteal: each worker starts on its half of
 # the suite in order (a module's tests stay together, its module fixtures built once) and an idle
 # worker takes half of what the other has left.
+# Bytecode is written even where the environment sets PYTHONDONTWRITEBYTECODE (as some CI images
+# do): each worker and each engine, rank and launcher process the tests start would otherwise
+# recompile the project and re-rewrite the test modules (collection 12.7 s -> 9.3 s a worker).
 test: install
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist worksteal
 
 bench-cpu: install
 	$(PY) -m benchmarks.cpu

@@ -131,39 +131,48 @@ def _with_nan(hf, name: str, column: int) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
-def test_weight_sync_into_tp2_is_atomic_across_ranks(llama: TinyModel, updated_hf) -> None:
-    prompts = make_prompts(llama.vocab_size, [6, 9], seed=11)
+@pytest.fixture(scope="module")
+def tp2(llama: TinyModel):
+    """One TP=2 engine of the tiny Llama for the weight-sync tests (starting its rank is most of
+    a test's time). A test leaves it with the tiny Llama's weights, at a later weight version."""
     with TPEngine(tp_config(llama.path)) as engine:
-        with pytest.raises(TypeError, match=r"prompt 1: token 1 is 4.5 \(float\); token ids must be ints"):  # refused before any rank sees it
-            engine.generate(input_ids=[[1, 2], [3, 4.5]])
-        check_against(llama.hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
-        # HF-named full tensors in; each rank keeps its shard; the version bumps on every rank
-        # (TPEngine checks every rank's version after each call)
-        assert engine.update_weights(updated_hf.named_parameters(), full=True) == 1
-        after = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        check_against(updated_hf, prompts, after)
-        # down_proj is split by columns: column 0 is TP rank 0's, the last column TP rank 1's.
-        # The rank holding the NaN fails its own validation; the other rank, whose shard is
-        # fine, refuses too, and neither writes (the next outputs are unchanged).
-        name = "model.layers.1.mlp.down_proj.weight"
-        for column, rank in ((-1, 1), (0, 0)):
-            with pytest.raises(ValueError, match=rf"refused on every TP rank: TP rank {rank} of 2 failed validation: "
-                                                 rf"parameter '{name}' has non-finite values"):
-                engine.update_weights(_with_nan(llama.hf, name, column))
-        with pytest.raises(ValueError, match=r"TP rank 0 of 2 .* shape \(3, 64\) does not match the model's \(160, 64\)"):
-            engine.update_weights([("lm_head.weight", torch.zeros(3, 64))])
-        assert engine.stats().weight_version == 1
-        assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == \
-            [o.token_ids for o in after]
-        # sleep/wake composes: every rank drops its shard (level 2), the full sync refills them
-        engine.call("sleep", level=2)
-        engine.call("wake", tags=["weights"])
-        assert engine.update_weights(llama.hf.named_parameters(), full=True) == 2
-        engine.call("wake", tags=["kv_cache"])
-        check_against(llama.hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
+        yield engine
 
 
-def test_broadcast_from_a_trainer_into_tp2(llama: TinyModel, updated_hf) -> None:
+def test_weight_sync_into_tp2_is_atomic_across_ranks(llama: TinyModel, updated_hf, tp2: TPEngine) -> None:
+    prompts = make_prompts(llama.vocab_size, [6, 9], seed=11)
+    engine = tp2
+    v0 = engine.stats().weight_version
+    with pytest.raises(TypeError, match=r"prompt 1: token 1 is 4.5 \(float\); token ids must be ints"):  # refused before any rank sees it
+        engine.generate(input_ids=[[1, 2], [3, 4.5]])
+    check_against(llama.hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    # HF-named full tensors in; each rank keeps its shard; the version bumps on every rank
+    # (TPEngine checks every rank's version after each call)
+    assert engine.update_weights(updated_hf.named_parameters(), full=True) == v0 + 1
+    after = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    check_against(updated_hf, prompts, after)
+    # down_proj is split by columns: column 0 is TP rank 0's, the last column TP rank 1's.
+    # The rank holding the NaN fails its own validation; the other rank, whose shard is
+    # fine, refuses too, and neither writes (the next outputs are unchanged).
+    name = "model.layers.1.mlp.down_proj.weight"
+    for column, rank in ((-1, 1), (0, 0)):
+        with pytest.raises(ValueError, match=rf"refused on every TP rank: TP rank {rank} of 2 failed validation: "
+                                             rf"parameter '{name}' has non-finite values"):
+            engine.update_weights(_with_nan(llama.hf, name, column))
+    with pytest.raises(ValueError, match=r"TP rank 0 of 2 .* shape \(3, 64\) does not match the model's \(160, 64\)"):
+        engine.update_weights([("lm_head.weight", torch.zeros(3, 64))])
+    assert engine.stats().weight_version == v0 + 1
+    assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == \
+        [o.token_ids for o in after]
+    # sleep/wake composes: every rank drops its shard (level 2), the full sync refills them
+    engine.call("sleep", level=2)
+    engine.call("wake", tags=["weights"])
+    assert engine.update_weights(llama.hf.named_parameters(), full=True) == v0 + 2
+    engine.call("wake", tags=["kv_cache"])
+    check_against(llama.hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
+
+
+def test_broadcast_from_a_trainer_into_tp2(llama: TinyModel, updated_hf, tp2: TPEngine) -> None:
     """The trainer's BroadcastSender (the NCCL path's code, here over gloo) into both TP ranks:
     each rank joins the weight-sync group (rank_offset + TP rank) and keeps its shard."""
     from weightsync import iter_hf_weights
@@ -181,12 +190,14 @@ def test_broadcast_from_a_trainer_into_tp2(llama: TinyModel, updated_hf) -> None
             errors.append(error)
 
     prompts = make_prompts(llama.vocab_size, [7], seed=12)
-    with TPEngine(tp_config(llama.path)) as engine:
-        thread = threading.Thread(target=trainer)
-        thread.start()
-        engine.call("init_weight_sync_group", master_addr="127.0.0.1", master_port=port, rank_offset=1, world_size=3)
-        assert engine.call("update_weights_from_distributed", full=True) == 1
-        engine.call("destroy_weight_sync_group")
-        thread.join(timeout=60)
-        assert not errors
-        check_against(updated_hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    engine = tp2
+    v0 = engine.stats().weight_version
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    engine.call("init_weight_sync_group", master_addr="127.0.0.1", master_port=port, rank_offset=1, world_size=3)
+    assert engine.call("update_weights_from_distributed", full=True) == v0 + 1
+    engine.call("destroy_weight_sync_group")
+    thread.join(timeout=60)
+    assert not errors
+    check_against(updated_hf, prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    engine.update_weights(llama.hf.named_parameters(), full=True)  # the base weights back, for the module's next test
