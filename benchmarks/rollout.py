@@ -12,7 +12,7 @@ decode step reads the weights once plus the KV of every running sequence (bytes 
 device copy bandwidth measured in this run), and prefill does 2 x params FLOPs per prompt
 token (over the bf16 matmul rate measured in this run).
 
-    python -m benchmarks.rollout [--shape llama8b|qwen06b] [--workloads a b c d] [--hf] [--peer]
+    python -m benchmarks.rollout [--shape llama8b|qwen06b] [--workloads a b c d] [--hf] [--peer] [--output-len 256]
 
 --peer also times issue #16's bar, a decode step in plain torch compiled and captured in one
 CUDA graph (benchmarks/common/compiled_peer.py), on (a)'s and (b)'s decode: its step time goes
@@ -218,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="also time issue #16's compiled peer (benchmarks/common/compiled_peer.py) on (a)'s and (b)'s "
                              "decode: the same rows, contexts and new tokens, no prefill (its KV is random)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--output-len", type=int, default=256,
+                        help="(a), (b) and (c)'s new tokens, and the peer's (fewer: a quicker smoke run)")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run with --shape tiny")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="of free GPU memory for the KV pool")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
@@ -254,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
+    out = args.output_len
     model_dir = write_shape_dir(args.shape, prefix=f"bench-{args.shape}-")
     bw, flops = measure_ceilings(device)
     roof = Roofline(cfg, bw, flops)
@@ -277,11 +280,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         for w, (batch, input_len) in (("a", (256, 512)), ("b", (1, 128))):
             if w in args.workloads:
                 try:
-                    peer[w] = time_decode(cfg, batch, input_len, 256, device, compile=device.type == "cuda",
+                    peer[w] = time_decode(cfg, batch, input_len, out, device, compile=device.type == "cuda",
                                           dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-                    d = roof.time([input_len] * batch, [256] * batch, 0)[0]
+                    d = roof.time([input_len] * batch, [out] * batch, 0)[0]
                     print(f"compiled peer ({w}): {peer[w].tok_s:.0f} tok/s of decode, {peer[w].step_ms:.2f} ms a step "
-                          f"(compile and capture {peer[w].compile_seconds:.1f} s); decode roofline {batch * 256 / d:.0f} "
+                          f"(compile and capture {peer[w].compile_seconds:.1f} s); decode roofline {batch * out / d:.0f} "
                           f"tok/s", flush=True)
                 except Exception:
                     traceback.print_exc()
@@ -307,27 +310,27 @@ def main(argv: Sequence[str] | None = None) -> None:
                 engine.flush_cache()
                 steps0, computed0 = engine.counters.steps, engine.counters.computed_tokens
                 if w == "a":
-                    prompts, out_len = rand_prompts(256, 512, g), 256
+                    prompts, out_len = rand_prompts(256, 512, g), out
                     params = SamplingParams(temperature=0, max_new_tokens=out_len, ignore_eos=True)
                     outs, secs, prefill, dms, gshare, comp = run_engine(engine, prompts, params)
-                    record("a: 256 x in 512 / out 256", outs, secs, [512] * 256, [out_len] * 256, 256 * 512, comp,
+                    record(f"a: 256 x in 512 / out {out}", outs, secs, [512] * 256, [out_len] * 256, 256 * 512, comp,
                            prefill, steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
                 elif w == "b":
-                    params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
+                    params = SamplingParams(temperature=0, max_new_tokens=out, ignore_eos=True)
                     outs, secs, _, dms, gshare, comp = run_engine(engine, rand_prompts(1, 128, g), params)
-                    record("b: batch 1, in 128 / out 256", outs, secs, [128], [256], 128, comp,
+                    record(f"b: batch 1, in 128 / out {out}", outs, secs, [128], [out], 128, comp,
                            steps=engine.counters.steps - steps0, decode_ms=dms, graph_share=gshare)
                 elif w == "c":
                     prompts = rand_prompts(64, 1024, g)
-                    params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, seed=0, ignore_eos=True)
+                    params = SamplingParams(temperature=1.0, max_new_tokens=out, n=8, seed=0, ignore_eos=True)
                     for radix in (r == "on" for r in args.c_radix):
                         eng = engine if radix else make_engine(False)
                         eng.flush_cache()
                         steps0, computed0 = eng.counters.steps, eng.counters.computed_tokens
                         outs, secs, prefill, dms, gshare, comp = run_engine(eng, prompts, params)
                         computed = eng.counters.computed_tokens - computed0 - sum(len(o.token_ids) - 1 for o in outs)
-                        record(f"c: 64 x n=8, in 1024 / out 256, radix {'on' if radix else 'off'}", outs, secs,
-                               [1024] * 512, [256] * 512, computed, comp, prefill, steps=eng.counters.steps - steps0,
+                        record(f"c: 64 x n=8, in 1024 / out {out}, radix {'on' if radix else 'off'}", outs, secs,
+                               [1024] * 512, [out] * 512, computed, comp, prefill, steps=eng.counters.steps - steps0,
                                decode_ms=dms, graph_share=gshare)
                         if not radix:
                             del eng

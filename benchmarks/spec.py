@@ -236,20 +236,21 @@ def _best_of(engine, name: str, variants: list[Variant], prompts, params, warm, 
 
 
 def host(args) -> None:
-    """The drafters' host work per step at batch 64 (8 prompts x 8 samples, 16 earlier
-    responses each, no model): it runs in series with the device while speculating."""
+    """The drafters' host work per step at batch 64 (8 prompts x 8 samples, --host-history
+    earlier responses each, 16 by default; no model): it runs in series with the device
+    while speculating."""
     from benchmarks.common.spec import host_cost
     from speculative.ngram import NgramDrafter
     from speculative.suffix import SuffixDrafter
 
-    print("\ndrafter host cost per step, batch 64 = 8 prompts x 8 samples, 16 earlier responses per prompt "
-          "(prompts 200 tokens, responses 256, samples half way; a synthetic policy, temperature 1)")
+    print(f"\ndrafter host cost per step, batch 64 = 8 prompts x 8 samples, {args.host_history} earlier responses "
+          "per prompt (prompts 200 tokens, responses 256, samples half way; a synthetic policy, temperature 1)")
     print(f"{'drafter':<16} | {'ms/step':>7} | {'drafted/step':>12} | {'acc/verify':>10}")
     for label, make in (("ngram point", lambda: NgramDrafter(4, 1 << 20, coupled=False)),
                         ("ngram coupled", lambda: NgramDrafter(4, 1 << 20)),
                         ("suffix point", lambda: SuffixDrafter(4, 1 << 20, 4_000_000, coupled=False)),
                         ("suffix coupled", lambda: SuffixDrafter(4, 1 << 20, 4_000_000))):
-        cost = host_cost(make, steps=args.host_steps)
+        cost = host_cost(make, history=args.host_history, steps=args.host_steps)
         print(f"{label:<16} | {cost.ms_per_step:>7.2f} | {cost.drafted_per_step:>12.1f} | {cost.accepted_per_verify:>10.2f}")
 
 
@@ -397,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-governor", action="store_true", help="CPU: leave out the governor comparison")
     parser.add_argument("--host-only", action="store_true", help="only the drafters' host cost (no model)")
     parser.add_argument("--host-steps", type=int, default=64)
+    parser.add_argument("--host-history", type=int, default=16,
+                        help="earlier responses per prompt in the host-cost batch (fewer: a quicker smoke run)")
     parser.add_argument("--grpo-epochs", action="store_true",
                         help="iii only: GRPO epochs over one dataset with training between them, plain vs speculative")
     parser.add_argument("--epochs", type=int, default=6, help="--grpo-epochs: epochs to run")

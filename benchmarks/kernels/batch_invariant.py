@@ -29,9 +29,10 @@ from rollout.kernels.batch_invariant_tiles import K_CHUNK
 SHAPES_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
              "lm_head": (4096, 128256)}
 # --device cpu: a smoke run of the whole script under TRITON_INTERPRET=1 (tests): K past two
-# chunks of 512 (the test passes --k-chunk 512) so that the split and TMA paths run, a few
-# candidates, host-timed, one weight copy
-SHAPES_TINY = {"qkv": (1088, 48), "o": (1088, 32), "gate_up": (1088, 80), "down": (1600, 32), "lm_head": (1088, 96)}
+# chunks of 256 (the test passes --k-chunk 256) so that the split and TMA paths run, the last
+# chunk one 64-wide K block (half of a 128 one), a few candidates, host-timed, one weight copy.
+# K is what a call costs under the interpreter (each K block is a step of the program's loop)
+SHAPES_TINY = {"qkv": (576, 48), "o": (576, 32), "gate_up": (576, 80), "down": (832, 32), "lm_head": (576, 96)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 # TileConfig fields in order (block_m, block_n, block_k, num_warps, num_stages[, split[,
 # k_chunk, tma]]), and the row counts it is timed at

@@ -99,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{'proj':>8} {'N':>6} {'K':>6} {'M':>5} | " + " | ".join(f"{v:>21}" for v in variants))
     totals: dict[int, dict[str, float]] = {m: dict.fromkeys(variants, 0.0) for m in rows}
     for name, (n, k, copies) in projs.items():
-        layers = copies if gpu else 2
+        # CPU smoke: one weight (host-timed, no L2 to defeat); each call of a Triton variant is
+        # one interpreted run of every program
+        layers = copies if gpu else 1
         weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
         transposed = [w.t().contiguous() for w in weights] if "nn" in args.variants else [None] * layers
         zero = torch.zeros(n, device=device, dtype=dtype)

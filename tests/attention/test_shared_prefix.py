@@ -164,8 +164,14 @@ def low_thresholds(monkeypatch):
 @pytest.mark.parametrize(("page_size", "graphs"), [(1, False), (16, True)], ids=["page1-eager", "page16-graph-twin"])
 def test_engine_n_samples_attend_their_prompt_once(llama, low_thresholds, page_size: int, graphs: bool) -> None:
     """n = 4 samples of each of two prompts fork the prompt's KV; their decode steps group by
-    it (the shared-prefix pass runs) and greedy tokens stay transformers'; sampled log-probs
-    equal the engine's without grouping."""
+    it (the shared-prefix pass runs) and the log-probs stay transformers'; tokens and log-probs
+    equal the engine's without grouping.
+
+    Sampled, not greedy: a prompt's samples part after their first token, so a group's rows
+    hold different queries and different KV past the prefix (greedy samples would be copies
+    of each other, and a row reading a sibling's tail would go unseen). Each sampled token's
+    log-prob against transformers' (HF's log_softmax at it) checks every row's attention as
+    the greedy tokens did, in the same run as the grouping."""
     from conftest import make_prompts
     from rollout import Engine, EngineConfig, SamplingParams
 
@@ -187,19 +193,19 @@ def test_engine_n_samples_attend_their_prompt_once(llama, low_thresholds, page_s
         return attend(q, *rest)
 
     backend.attend = spy
-    # 3 tokens: the prefill's, then two grouped decode steps (the interpreted decode steps are
-    # what this test costs on CPU)
-    greedy = SamplingParams(temperature=0, max_new_tokens=3, n=4, ignore_eos=True)
-    outs = engine.generate(input_ids=prompts, sampling_params=greedy)
-    assert [o.token_ids for o in outs] == [llama.greedy(p, 3) for p in prompts for _ in range(4)]
+    # 3 tokens: the prefill's, then two grouped decode steps (the second reads the rows' own
+    # sampled tails past the prefix); the interpreted steps are what this test costs on CPU
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=3, n=4, seed=3, ignore_eos=True)
+    on = engine.generate(input_ids=prompts, sampling_params=sampled)
     assert grouped, "no decode step grouped the samples by their prompt"
     if graphs:  # (a graph's plan holds its static buffers, sized for its rows)
         assert engine.runner.graphs.num_shared_replays > 0
     else:
         assert max(grouped) == 2
-    sampled = SamplingParams(temperature=1.0, max_new_tokens=4, n=4, seed=3, ignore_eos=True)
-    engine.flush_cache()
-    on = engine.generate(input_ids=prompts, sampling_params=sampled)
+    for out in on:
+        torch.testing.assert_close(torch.tensor(out.logprobs), llama.logprobs(prompts[out.prompt_index], out.token_ids),
+                                   atol=1e-4, rtol=0)
+    assert len({tuple(o.token_ids) for o in on}) > 2, "the samples should part (seed 3): rows unlike their group's"
     engine.flush_cache()
     engine.runner.share_prefixes = False
     n_grouped = len(grouped)

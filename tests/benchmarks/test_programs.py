@@ -12,9 +12,14 @@ def test_bench_host_prints_its_phases(capsys) -> None:
         assert phase in text
 
 
+# (b) with 16 new tokens, not 256: its decode steps (a dozen, past the warm-up's) are what the
+# rollout runs cost on CPU, and a few give each run its decode-step figure
+ROLLOUT_SMOKE = ("--shape", "tiny", "--device", "cpu", "--workloads", "b", "--output-len", "16")
+
+
 def test_bench_rollout_runs_each_config_on_cpu(capsys) -> None:
-    text = run_main("benchmarks.rollout", "--shape", "tiny", "--device", "cpu", "--attention", "torch",
-                "--overlap", "on", "off", "--workloads", "b", "--prefill-rows", "on", "off", "--peer", capsys=capsys)
+    text = run_main("benchmarks.rollout", *ROLLOUT_SMOKE, "--attention", "torch", "--overlap", "on", "off",
+                    "--prefill-rows", "on", "off", "--peer", capsys=capsys)
     rows = [line for line in text.splitlines() if line.startswith("b: batch 1") and "|" in line]  # the table
     assert len(rows) == 4 and "[torch, overlap]" in rows[0] and "[torch]" in rows[1], text[-1500:]
     assert "compiled peer (b):" in text and all(float(r.rsplit("|", 1)[1]) > 0 for r in rows), text[-1500:]  # peer ms
@@ -23,8 +28,7 @@ def test_bench_rollout_runs_each_config_on_cpu(capsys) -> None:
 
 def test_bench_rollout_runs_modes_in_the_order_given_on_cpu(capsys) -> None:
     """--deterministic off on off: three runs, in that order (each mode early and late in a call)."""
-    text = run_main("benchmarks.rollout", "--shape", "tiny", "--device", "cpu", "--workloads", "b",
-                "--deterministic", "off", "on", "off", capsys=capsys)
+    text = run_main("benchmarks.rollout", *ROLLOUT_SMOKE, "--deterministic", "off", "on", "off", capsys=capsys)
     rows = [line for line in text.splitlines() if line.startswith("b: batch 1") and "|" in line]
     assert len(rows) == 3 and "deterministic" in rows[1] and "deterministic" not in rows[0] + rows[2], text[-1500:]
 
@@ -73,7 +77,9 @@ def test_bench_spec_gpu_table_smoke_on_cpu(capsys) -> None:
 
 
 def test_bench_spec_host_cost_smoke(capsys) -> None:
-    text = run_main("benchmarks.spec", "--host-only", "--host-steps", "2", capsys=capsys)
+    # 2 earlier responses a prompt, not 16: drawing them from the synthetic chain was most of the
+    # run; the drafters still index finished responses and draft from them and the samples
+    text = run_main("benchmarks.spec", "--host-only", "--host-steps", "2", "--host-history", "2", capsys=capsys)
     rows = [line for line in text.splitlines() if line.startswith(("ngram", "suffix")) and "|" in line]
     assert [r.split("|")[0].strip() for r in rows] == ["ngram point", "ngram coupled", "suffix point", "suffix coupled"]
 
