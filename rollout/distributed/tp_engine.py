@@ -46,9 +46,23 @@ _DTYPE_NAMES = {dtype: name for name, dtype in TENSOR_DTYPES.items()}
 _MAX_COMMAND_BYTES = 1 << 30
 # Engine methods a command may name, with plain (msgpack) arguments only
 _CALLS = ("sleep", "wake", "flush_cache", "update_weights_from_disk", "init_weight_sync_group",
-          "update_weights_from_distributed", "destroy_weight_sync_group", "load_lora_adapter", "unload_lora_adapter")
+          "update_weights_from_distributed", "destroy_weight_sync_group", "load_lora_adapter", "unload_lora_adapter",
+          "list_lora_adapters")
 # Engine methods whose `named_tensors` travel as raw broadcasts after the command
 _TENSOR_CALLS = ("update_weights", "update_lora_adapter")
+# Public Engine methods TPEngine does not carry, and why (tests/distributed/test_tp_api.py
+# checks that every other one is a TPEngine method, a _CALLS or a _TENSOR_CALLS name).
+NOT_CARRIED: dict[str, str] = {
+    "add_request": "TPEngine carries whole generate() calls, one command each; the step-level API would "
+                   "be a command per step on every rank. Under torchrun every rank's Engine has it",
+    "step": "as add_request: the ranks step in lockstep inside one generate() command",
+    "has_unfinished": "as add_request: nothing is left unfinished between TPEngine's commands",
+    "abort": "as add_request: a generate() command returns every request it took",
+    "update_weights_from_ipc": "CUDA IPC handles are per process and device: each rank maps its own "
+                               "trainer's; under torchrun every rank's Engine takes them",
+    "update_lora_adapters": "several adapters in one command: send each with update_lora_adapter "
+                            "(atomic on every rank), or call it on every rank's Engine under torchrun",
+}
 
 
 def rank_device(device: str, rank: int) -> str:

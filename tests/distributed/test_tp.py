@@ -97,6 +97,7 @@ def test_multi_lora_with_tp2(llama: TinyModel, tmp_path_factory) -> None:
     with TPEngine(config) as engine:  # 2 slots for 3 adapters: one is swapped out and back in
         for name, path in ref.dirs.items():
             engine.call("load_lora_adapter", name=name, path=path)
+        assert sorted(info.name for info in engine.call("list_lora_adapters")) == sorted(ref.dirs)
         outs = engine.generate(input_ids=prompts + prompts, sampling_params=GREEDY, lora_name=adapters + adapters[::-1])
         for prompt, adapter, out in zip(prompts + prompts, adapters + adapters[::-1], outs):
             assert out.token_ids == ref.greedy(adapter, prompt)
