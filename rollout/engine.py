@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from lora.manager import LoraAdapterInfo
 
 log = logging.getLogger("rollout")
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class Engine:
@@ -82,8 +83,9 @@ class Engine:
                                   draft=self.draft.model if self.draft is not None else None,
                                   draft_kv=self.draft.kv_tensors() if self.draft is not None else [])
         self.outbox = Outbox()  # finished outputs not yet handed out: the next step() returns them
+        self.generation_paused: str | None = None  # pause_generation's mode until continue_generation()
         self.pause = Pause(self.scheduler, self.loop, self.counters, self.outbox, self.step, self.abort,
-                           lambda: self.memory.can_step)
+                           lambda: self.memory.can_step and self.generation_paused is None)
         # the speculation hook is looked up per update: benchmarks swap engine.speculation
         self.adapters = LoraAdapters(self.lora, self.model_config, self.kv, self.scheduler, self.pause,
                                      lambda: self.speculation)
@@ -124,6 +126,10 @@ class Engine:
         """Run prompts to completion. One output per sample, prompt-major then sample.
         `lora_name`: one adapter for every prompt, or a list with one per prompt."""
         self._check_serving()
+        if self.generation_paused is not None:
+            # generate() steps until its requests finish, and nothing runs until continue_generation()
+            raise RuntimeError(f"generate: generation is paused (pause_generation(mode={self.generation_paused!r})); "
+                               "continue_generation() first, or add_request() to queue requests for after it")
         items = self.intake.batch(input_ids, prompts, sampling_params)
         adapters = self.intake.lora_names(lora_name, len(items))
         # Validate every prompt before queueing any: a bad one must not leave half a batch.
@@ -155,7 +161,40 @@ class Engine:
         return self.loop.abort(req, self.weight_version)
 
     def has_unfinished(self) -> bool:
+        """Whether a step() would run anything (False while generation is paused)."""
+        if self.generation_paused is not None:
+            return False
         return self.scheduler.has_work() or self.loop.inflight is not None
+
+    # ---- pausing generation -------------------------------------------------------------
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Stop generating until continue_generation(), around a trainer's step or a sync of
+        several engines (SGLang's pause_generation, vLLM's pause/resume). `mode`:
+        - "abort": running and waiting requests end now with their partial tokens and
+          log-probs, finish_reason "abort" (their outputs come from the next step());
+        - "retract": running requests go back to waiting with their tokens; their KV is
+          released into the prefix cache, where they find it again unless a weight update
+          flushes it first;
+        - "in_place": running requests keep their KV and go on after continue_generation().
+        While paused, new requests are accepted and wait, and weight and adapter updates,
+        sleep and wake work as ever (an update's own pause_mode applies to the requests held
+        here: "wait" cannot run them, so it retracts them)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation(mode={mode!r}): expected one of {list(PAUSE_MODES)}")
+        if self.generation_paused is not None:
+            raise RuntimeError(f"pause_generation: already paused (mode={self.generation_paused!r}); "
+                               "continue_generation() first")
+        if mode == "in_place":
+            self.pause.drain()  # the step in flight lands; nothing more is scheduled
+        else:
+            self.pause(mode, keep_kv=True)
+        self.generation_paused = mode
+
+    def continue_generation(self) -> None:
+        """Generation goes on: waiting requests are admitted, held ones step on."""
+        if self.generation_paused is None:
+            raise RuntimeError("continue_generation: generation is not paused")
+        self.generation_paused = None
 
     # ---- the step loop ----------------------------------------------------------------
     def step(self) -> list[RolloutOutput]:
@@ -165,8 +204,9 @@ class Engine:
         step's tokens back while the device works: outputs arrive one step later."""
         t0 = time.perf_counter()
         finished = self.outbox.take()
-        if not self.memory.can_step:
-            return finished  # accepted requests wait for wake() (and, after level 2, a full sync)
+        if not self.memory.can_step or self.generation_paused is not None:
+            # accepted requests wait for wake() (and, after level 2, a full sync) or continue_generation()
+            return finished
         finished.extend(self.loop.step(self.weight_version))
         self.counters.step_seconds += time.perf_counter() - t0
         return finished
@@ -339,6 +379,7 @@ class Engine:
             draft_acceptance_rate=c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0,
             draft_weight_version=self.speculation.draft_weight_version,
             draft_stale=self.speculation.draft_stale,
+            generation_paused=self.generation_paused,
         )
 
     def flush_cache(self) -> None:

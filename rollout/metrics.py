@@ -49,6 +49,8 @@ class EngineStats:
     # drafting is paused because the target moved on without it
     draft_weight_version: int | None = None
     draft_stale: bool = False
+    # Engine.pause_generation's mode while generation is paused, else None
+    generation_paused: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

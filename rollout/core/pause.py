@@ -1,5 +1,5 @@
-"""Pausing requests while what made their KV changes: a weight update, an adapter update or
-unload, sleep.
+"""Pausing requests while what made their KV changes (a weight update, an adapter update or
+unload, sleep), or because the caller paused generation (Engine.pause_generation).
 
 Three modes (`pause_mode`): "wait" runs the affected requests to completion first, "abort"
 finishes them now as aborted, "retract" sends them back to waiting to resume afterwards.
@@ -61,8 +61,11 @@ class Pause:
         that must see every token (a pause, an unload)."""
         self.outbox.put(self.loop.drain())
 
-    def __call__(self, pause_mode: str, affected: Callable[[Req], bool] | None = None) -> None:
-        """Stop the requests an update affects (all, or those `affected` selects) from running on."""
+    def __call__(self, pause_mode: str, affected: Callable[[Req], bool] | None = None, *,
+                 keep_kv: bool = False) -> None:
+        """Stop the requests an update affects (all, or those `affected` selects) from running on.
+        `keep_kv`: a "retract" caches their KV in the prefix tree (nothing that made it is
+        changing: Engine.pause_generation) instead of dropping it."""
         self.drain()
         hit = affected or (lambda req: True)
         sched = self.scheduler
@@ -80,4 +83,4 @@ class Pause:
                 if out is not None:
                     self.outbox.put([out])
         else:
-            self.counters.retractions += len(sched.retract_all(hit, keep_kv=False))
+            self.counters.retractions += len(sched.retract_all(hit, keep_kv=keep_kv))

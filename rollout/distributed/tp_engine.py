@@ -47,7 +47,7 @@ _MAX_COMMAND_BYTES = 1 << 30
 # Engine methods a command may name, with plain (msgpack) arguments only
 _CALLS = ("sleep", "wake", "flush_cache", "update_weights_from_disk", "init_weight_sync_group",
           "update_weights_from_distributed", "destroy_weight_sync_group", "load_lora_adapter", "unload_lora_adapter",
-          "list_lora_adapters")
+          "list_lora_adapters", "pause_generation", "continue_generation")
 # Engine methods whose `named_tensors` travel as raw broadcasts after the command
 _TENSOR_CALLS = ("update_weights", "update_lora_adapter")
 # Public Engine methods TPEngine does not carry, and why (tests/distributed/test_tp_api.py

@@ -228,6 +228,12 @@ class AsyncRolloutClient:
     async def flush_cache(self, *, timeout: float | None = None) -> None:
         await self._call(protocol.FlushCache(), timeout, "flush_cache")
 
+    async def pause_generation(self, mode: str = "retract", *, timeout: float | None = None) -> None:
+        await self._call(protocol.PauseGeneration(mode), timeout, "pause_generation")
+
+    async def continue_generation(self, *, timeout: float | None = None) -> None:
+        await self._call(protocol.ContinueGeneration(), timeout, "continue_generation")
+
     async def stats(self, *, timeout: float | None = None):
         return await self._call(protocol.Stats(), timeout, "stats")
 

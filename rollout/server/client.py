@@ -259,6 +259,15 @@ class RolloutClient:
         """Drop the engine's prefix cache (refused while requests run)."""
         self._call(protocol.FlushCache(), timeout, "flush_cache")
 
+    def pause_generation(self, mode: str = "retract", *, timeout: float | None = None) -> None:
+        """As Engine.pause_generation: "abort", "retract" or "in_place". Calls already made
+        (generate, streams) wait for continue_generation(); with "abort" they return their
+        requests' partial outputs, finish_reason "abort"."""
+        self._call(protocol.PauseGeneration(mode), timeout, "pause_generation")
+
+    def continue_generation(self, *, timeout: float | None = None) -> None:
+        self._call(protocol.ContinueGeneration(), timeout, "continue_generation")
+
     def stats(self, *, timeout: float | None = None):
         return self._call(protocol.Stats(), timeout, "stats")
 

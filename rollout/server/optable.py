@@ -125,6 +125,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op(protocol.Wake, "wake", SleepStats, HANDLER, finishes_requests=True),
     Op(protocol.Stats, "stats", EngineStats),
     Op(protocol.FlushCache, "flush_cache", None),
+    # pausing generation ("abort" finishes requests: the next step hands their outputs out)
+    Op(protocol.PauseGeneration, "pause_generation", None, finishes_requests=True),
+    Op(protocol.ContinueGeneration, "continue_generation", None),
 )}
 
 # Public Engine methods the engine process does not serve, and why.

@@ -51,6 +51,8 @@ from rollout.server.requests import (  # the requests are the protocol's: protoc
     Wake,
     Stats,
     FlushCache,
+    PauseGeneration,
+    ContinueGeneration,
     Health,
     GetModelInfo,
     Shutdown,

@@ -253,6 +253,17 @@ class FlushCache(Request):
 
 
 @dataclass(frozen=True)
+class PauseGeneration(Request):
+    op: ClassVar[str] = "pause_generation"
+    mode: str = "retract"  # checked by Engine.pause_generation, which names the field
+
+
+@dataclass(frozen=True)
+class ContinueGeneration(Request):
+    op: ClassVar[str] = "continue_generation"
+
+
+@dataclass(frozen=True)
 class Health(Request):
     op: ClassVar[str] = "health"
 
