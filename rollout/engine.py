@@ -167,9 +167,10 @@ class Engine:
         return self.scheduler.has_work() or self.loop.inflight is not None
 
     # ---- pausing generation -------------------------------------------------------------
-    def pause_generation(self, mode: str = "retract") -> None:
+    def pause_generation(self, mode: str = "abort") -> None:
         """Stop generating until continue_generation(), around a trainer's step or a sync of
-        several engines (SGLang's pause_generation, vLLM's pause/resume). `mode`:
+        several engines (SGLang's pause_generation, vLLM's pause/resume; "abort" is both's
+        default). `mode`:
         - "abort": running and waiting requests end now with their partial tokens and
           log-probs, finish_reason "abort" (their outputs come from the next step());
         - "retract": running requests go back to waiting with their tokens; their KV is

@@ -228,7 +228,7 @@ class AsyncRolloutClient:
     async def flush_cache(self, *, timeout: float | None = None) -> None:
         await self._call(protocol.FlushCache(), timeout, "flush_cache")
 
-    async def pause_generation(self, mode: str = "retract", *, timeout: float | None = None) -> None:
+    async def pause_generation(self, mode: str = "abort", *, timeout: float | None = None) -> None:
         await self._call(protocol.PauseGeneration(mode), timeout, "pause_generation")
 
     async def continue_generation(self, *, timeout: float | None = None) -> None:

@@ -259,7 +259,7 @@ class RolloutClient:
         """Drop the engine's prefix cache (refused while requests run)."""
         self._call(protocol.FlushCache(), timeout, "flush_cache")
 
-    def pause_generation(self, mode: str = "retract", *, timeout: float | None = None) -> None:
+    def pause_generation(self, mode: str = "abort", *, timeout: float | None = None) -> None:
         """As Engine.pause_generation: "abort", "retract" or "in_place". Calls already made
         (generate, streams) wait for continue_generation(); with "abort" they return their
         requests' partial outputs, finish_reason "abort"."""

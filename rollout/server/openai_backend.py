@@ -70,6 +70,11 @@ class EngineBackend(Protocol):
 
     async def model_info(self) -> ModelInfo: ...
 
+    async def pause_generation(self, mode: str) -> None:
+        """Engine.pause_generation; its refusals (ValueError, RuntimeError) raised as they are."""
+
+    async def continue_generation(self) -> None: ...
+
 
 # ---- in process ---------------------------------------------------------------------------
 
@@ -192,6 +197,12 @@ class InProcessBackend:
 
     async def model_info(self) -> ModelInfo:
         return await self.call(_model_info)
+
+    async def pause_generation(self, mode: str) -> None:
+        await self.call(lambda engine: engine.pause_generation(mode))  # "abort": the next step hands outputs out
+
+    async def continue_generation(self) -> None:
+        await self.call(lambda engine: engine.continue_generation())
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (stats, weight updates, adapters)."""

@@ -79,6 +79,14 @@ class ClientBackend:
         client = await self.client()
         await client.abort(request_id)
 
+    async def pause_generation(self, mode: str) -> None:
+        client = await self.client()
+        await client.pause_generation(mode)
+
+    async def continue_generation(self) -> None:
+        client = await self.client()
+        await client.continue_generation()
+
     async def model_info(self) -> ModelInfo:
         client = await self.client()
         if self._static is None:

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP endpoint in front of an engine: /v1/completions,
 /v1/chat/completions (both streamed as server-sent events too) and /v1/models, with the
-token-id extension (docs/openai.md, "The token-id extension") a trainer needs.
+token-id extension (docs/openai.md, "The token-id extension") a trainer needs; and SGLang's
+/pause_generation and /continue_generation.
 
     python -m rollout.server.openai_http --model DIR [--port 8000] [--engine-address ADDR]
 
@@ -102,6 +103,16 @@ class OpenAIServer:
             return name
         raise ApiError(f"The model `{name}` does not exist (served: {[self.model_name, *info.lora_adapters]})",
                        "model", 404, code="model_not_found")
+
+
+async def _engine_call(call, param: str | None) -> None:
+    """An engine control call whose refusal (a bad value, the wrong state) is the caller's 400."""
+    try:
+        await call
+    except (ValueError, TypeError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not str(exc).startswith(("pause_generation", "continue_generation")):
+            raise  # not a refusal (the engine loop stopped): the server's own error
+        raise ApiError(str(exc), param) from exc
 
 
 async def _json_body(request: Request) -> object:
@@ -215,6 +226,21 @@ def build_app(backend: EngineBackend, tokenizer, model_name: str, limits: Limits
 
     @app.get("/health")
     async def health() -> dict:
+        return {"ok": True}
+
+    # SGLang's RL endpoints for pausing (its request body: {"mode": ...}, "abort" when absent)
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict:
+        body = await _json_body(request) if await request.body() else {}
+        if not isinstance(body, dict) or set(body) - {"mode"}:
+            raise ApiError(f"pause_generation: expected a JSON object with at most 'mode', got {body!r}", "mode")
+        mode = body.get("mode", "abort")
+        await _engine_call(backend.pause_generation(mode), "mode")
+        return {"ok": True, "mode": mode}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict:
+        await _engine_call(backend.continue_generation(), None)
         return {"ok": True}
 
     return app

@@ -255,7 +255,7 @@ class FlushCache(Request):
 @dataclass(frozen=True)
 class PauseGeneration(Request):
     op: ClassVar[str] = "pause_generation"
-    mode: str = "retract"  # checked by Engine.pause_generation, which names the field
+    mode: str = "abort"  # checked by Engine.pause_generation, which names the field
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,23 @@ def test_the_async_client_pauses_and_bad_calls_are_refused(server) -> None:
 
     asyncio.run(body())
     assert wait_idle(server).generation_paused is None
+
+
+def test_the_http_servers_engine_process_backend_pauses(server) -> None:
+    """The OpenAI server in front of an engine process (--engine-address) pauses through it."""
+    pytest.importorskip("fastapi")
+    from rollout.server.openai_client_backend import ClientBackend
+
+    async def body() -> None:
+        backend = ClientBackend(server.address)
+        try:
+            await backend.pause_generation("retract")
+            assert server.stats().generation_paused == "retract"
+            await backend.continue_generation()
+            with pytest.raises(RuntimeError, match="continue_generation: generation is not paused"):
+                await backend.continue_generation()
+        finally:
+            await backend.close()
+
+    asyncio.run(body())
+    assert server.stats().generation_paused is None

@@ -408,3 +408,35 @@ def test_sse_wire_format(served):
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_pause_and_continue_generation_over_http(client, served, tokenizer):
+    """SGLang's endpoints: a completion made while paused waits for /continue_generation and
+    is then the engine's whole answer; refusals are 400s naming the reason."""
+    import threading
+
+    base = served[0].base_url.removesuffix("/v1")
+    resp = httpx.post(f"{base}/pause_generation", json={"mode": "in_place"}, timeout=30)
+    assert resp.status_code == 200 and resp.json() == {"ok": True, "mode": "in_place"}
+    try:
+        assert _engine_stats(served[1]).generation_paused == "in_place"
+        again = httpx.post(f"{base}/pause_generation", json={"mode": "retract"}, timeout=30)
+        assert again.status_code == 400 and "already paused (mode='in_place')" in again.json()["error"]["message"]
+        got: list = []
+        call = threading.Thread(target=lambda: got.append(client.completions.create(
+            model=MODEL, prompt="the cat", max_tokens=6, temperature=0)))
+        call.start()
+        time.sleep(0.5)
+        assert call.is_alive() and not got, "a completion made while paused waits"
+    finally:
+        assert httpx.post(f"{base}/continue_generation", timeout=30).status_code == 200
+    call.join(60)
+    assert got and got[0].choices[0].finish_reason in ("length", "stop")
+    bad = httpx.post(f"{base}/pause_generation", json={"mode": "keep"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+    assert "expected one of ['abort', 'retract', 'in_place']" in bad.json()["error"]["message"]
+    running = httpx.post(f"{base}/continue_generation", timeout=30)
+    assert running.status_code == 400 and "generation is not paused" in running.json()["error"]["message"]
+    assert httpx.post(f"{base}/pause_generation", timeout=30).json() == {"ok": True, "mode": "abort"}  # SGLang's default
+    assert httpx.post(f"{base}/continue_generation", timeout=30).status_code == 200
+    assert _wait_idle(served[1]).generation_paused is None
