@@ -163,3 +163,35 @@ def test_bad_calls_are_refused_and_requests_accepted_while_paused_wait(llama: Ti
     out = _drain(engine)[rid]
     _assert_transformers(llama, prompt, out)
     assert engine.stats().generation_paused is None
+
+
+def test_engines_paused_updated_and_continued_in_turn_behave_as_one(llama: TinyModel) -> None:
+    """A trainer's multi-engine sync: pause every engine, update each, continue each. No token
+    of either engine comes from the old weights after its pause, and the two engines' outputs
+    are what one engine holding all the prompts gives through the same sequence."""
+    trained = copy.deepcopy(llama.hf)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.3 * p.std())
+    prompts = make_prompts(llama.vocab_size, [5, 8, 6, 4], seed=65)
+
+    def run(groups: list[list[list[int]]]) -> list:
+        engines = [Engine(EngineConfig(model=llama.path)) for _ in groups]  # whole prompts in one step
+        ids = [_start(engine, group, steps=3) for engine, group in zip(engines, groups)]
+        for engine in engines:
+            engine.pause_generation("retract")
+        for engine in engines:  # one at a time, as a trainer walks its engines
+            assert engine.update_weights(iter_hf_weights(trained), full=True) == 1
+        for engine in engines:
+            engine.continue_generation()
+        outs = []
+        for engine, rids in zip(engines, ids):
+            done = _drain(engine)
+            outs.extend(done[rid] for rid in rids)
+        return outs
+
+    two = run([prompts[:2], prompts[2:]])
+    one = run([prompts[:2] + prompts[2:]])
+    for a, b in zip(two, one, strict=True):
+        assert a.token_ids == b.token_ids and a.weight_versions == b.weight_versions
+        assert a.weight_versions == [(0, 0, 3), (1, 3, NEW)]  # 3 steps: the prefill's token and 2 decodes

@@ -43,10 +43,11 @@ def test_held_requests_wait_then_finish_as_in_process(server, reference, mode: s
 
 def test_abort_returns_a_blocked_generate_its_partial_outputs(server, reference) -> None:
     got: list = []
+    before = wait_idle(server).counters["generated_tokens"]  # nothing else runs: the tokens made next are ours
     call = threading.Thread(target=lambda: got.extend(server.generate(input_ids=[[3, 1, 4]], sampling_params=LONG)))
     call.start()
     deadline = time.monotonic() + 30
-    while server.stats().num_running == 0 and time.monotonic() < deadline:
+    while _generated(server) == before and time.monotonic() < deadline:
         time.sleep(0.01)
     server.pause_generation("abort")
     try:
