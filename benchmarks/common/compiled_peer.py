@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.model.config import ModelConfig
-from rollout.model.llama import rope_inv_freq
+from rollout.model.llama import rope_attention_factor, rope_inv_freq
 
 
 @dataclass
@@ -88,7 +88,8 @@ class PeerDecoder:
         self.k_cache = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.num_layers)]
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg)).to(dev)
-        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        scale = rope_attention_factor(cfg)  # YaRN's; 1 for the other scalings
+        self.cos, self.sin = (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
         self.positions = torch.arange(max_len, device=dev)
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
