@@ -17,6 +17,7 @@ class Counters:
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    deadline_requests: int = 0  # ended by their SamplingParams.deadline_s
     retractions: int = 0
     # speculative decoding: draft tokens verified, those accepted, and the (request, step)
     # verifications (mean accepted length per verification = accepted / verify_steps)

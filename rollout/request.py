@@ -46,6 +46,11 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
+    # Scheduling: a higher priority is admitted before, and retracted after, a lower one
+    # (SGLang's default order); deadline_s: seconds after the request is accepted, after
+    # which it ends with finish_reason "deadline", keeping its tokens.
+    priority: int = 0
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range, floats for finiteness (NaN passes any
@@ -78,6 +83,11 @@ class SamplingParams:
             raise ValueError(f"{f}top_k={self.top_k}: must be -1 (off) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"{f}min_p={self.min_p}: must be in [0, 1]")
+        check_int(self.priority, f + "priority")
+        if self.deadline_s is not None:
+            set_(self, "deadline_s", check_float(self.deadline_s, f + "deadline_s"))
+            if self.deadline_s <= 0:
+                raise ValueError(f"{f}deadline_s={self.deadline_s}: must be > 0 (seconds after the request is accepted)")
         if self.logprobs_mode not in _LOGPROB_MODES:
             raise ValueError(f"{f}logprobs_mode={self.logprobs_mode!r}: expected one of {_LOGPROB_MODES}")
         set_(self, "json_schema", constraint_fields(self.json_schema, self.regex, self.grammar))
@@ -122,7 +132,8 @@ class Req:
     lora_name: str | None = None
     lora_version: int = 0
     lora_slot: int = -1
-    arrival: int = 0  # admission order; retraction takes the newest first
+    arrival: int = 0  # admission order; retraction takes the newest first (of the lowest priority)
+    deadline: float | None = None  # time.monotonic() past which it ends ("deadline"); set when queued
 
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

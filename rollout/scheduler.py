@@ -11,6 +11,7 @@ resume later: nothing is dropped or truncated.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from itertools import count
@@ -53,9 +54,19 @@ class Scheduler:
         # waiting requests whose grammar failed to compile: the step loop finishes them
         self.grammar_failed: list[Req] = []
         self._arrival = count()
+        # queued requests with a deadline / a non-zero priority: when both are 0 (the common
+        # case) a step pays nothing for either feature
+        self.num_deadlines = 0
+        self.num_prioritized = 0
 
     # ---- queue management ---------------------------------------------------------------
     def add(self, req: Req) -> None:
+        params = req.params
+        if params.deadline_s is not None:
+            req.deadline = time.monotonic() + params.deadline_s
+            self.num_deadlines += 1
+        if params.priority:
+            self.num_prioritized += 1
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -77,6 +88,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
+        self.num_deadlines -= req.deadline is not None
+        self.num_prioritized -= bool(req.params.priority)
         for follower in req.followers:  # a leader that leaves before forking frees its followers
             follower.leader = None
         req.followers = []
@@ -117,7 +130,7 @@ class Scheduler:
         extends: list[tuple[Req, int]] = []
         retracted: list[Req] = []
         gone: set[int] = set()  # ids of requests retracted earlier in this loop (O(1) test)
-        for req in list(self.running):
+        for req in self._by_priority(self.running):
             if gone and id(req) in gone:
                 continue
             seq_len = req.seq_len
@@ -130,7 +143,7 @@ class Scheduler:
             if n <= 0:
                 continue  # a chunked prefill waits for budget; it keeps its KV
             while not self.kv.extend(req, req.num_computed_tokens + n):
-                victim = self.running[-1]  # newest; older ones are already in the batch
+                victim = self._victim()  # the newest of the lowest priority: not yet in the batch
                 self.retract(victim)
                 retracted.append(victim)
                 gone.add(id(victim))
@@ -193,4 +206,18 @@ class Scheduler:
         reqs = list(self.waiting)
         if self.config.schedule_policy == "lpm" and self.kv.tree is not None and len(reqs) <= _LPM_MAX_WAITING:
             reqs.sort(key=self.kv.prefix_len, reverse=True)  # stable: FCFS among equals
-        return reqs
+        return self._by_priority(reqs)
+
+    def _by_priority(self, reqs) -> list[Req]:
+        """Highest priority first, the order given within one (stable). No sort when no queued
+        request has a priority: the common case costs a counter test."""
+        if not self.num_prioritized:
+            return list(reqs)
+        return sorted(reqs, key=lambda r: -r.params.priority)
+
+    def _victim(self) -> Req:
+        """The request a step short of KV retracts. schedule() walks the running requests by
+        priority, in arrival order within one, so this one is the last it would reach."""
+        if not self.num_prioritized:
+            return self.running[-1]
+        return min(self.running, key=lambda r: (r.params.priority, -r.arrival))

@@ -16,6 +16,7 @@ them (benchmarks/host.py, benchmarks/diagnostics/host_time.py) without reaching 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,8 @@ class StepLoop:
         """One scheduler -> model -> sampler step; returns the requests that finished (with
         overlap scheduling, those of the previous step)."""
         finished = self._finish_failed_grammars(version)
+        if self.scheduler.num_deadlines:
+            finished.extend(self._finish_expired(version))
         running = self.scheduler.running
         if self.inflight is not None:  # drafts continue the tokens in flight: the hook reads them first
             finished.extend(self.speculation.drain_for_drafts(running, self.overlap, self.drain))
@@ -192,6 +195,22 @@ class StepLoop:
         self.scheduler.remove(req)
         self.counters.aborted_requests += 1
         return self.outputs.make(req, version)
+
+    def _finish_expired(self, version: int) -> list[RolloutOutput]:
+        """Requests past their deadline end now ("deadline") with what they have. The step in
+        flight is read back first, so its tokens count and none is left on the device for a
+        request that is gone (rare: once a request)."""
+        now = time.monotonic()
+        sched = self.scheduler
+        if not any(r.deadline is not None and r.deadline <= now for r in (*sched.running, *sched.waiting)):
+            return []
+        outputs = self.drain()
+        for req in [r for r in (*sched.running, *sched.waiting) if r.deadline is not None and r.deadline <= now]:
+            req.finish_reason = "deadline"
+            sched.remove(req)
+            self.counters.deadline_requests += 1
+            outputs.append(self.outputs.make(req, version))
+        return outputs
 
     def _finish_failed_grammars(self, version: int) -> list[RolloutOutput]:
         """Waiting requests whose grammar failed to compile end as aborted (the error is
