@@ -6,7 +6,8 @@ prefill; a prefix-cache hit just starts the counter higher). Running requests go
 (oldest first); waiting requests are admitted while the step's prefill token budget and
 KV memory last. When KV runs out for a running request, the newest running requests are
 retracted to the front of `waiting` (their computed KV left in the prefix cache) and
-resume later: nothing is dropped or truncated.
+resume later: nothing is dropped or truncated. SamplingParams.priority orders both: higher
+priorities run and are admitted first, and the lowest are retracted first.
 """
 
 from __future__ import annotations
@@ -206,7 +207,9 @@ class Scheduler:
         reqs = list(self.waiting)
         if self.config.schedule_policy == "lpm" and self.kv.tree is not None and len(reqs) <= _LPM_MAX_WAITING:
             reqs.sort(key=self.kv.prefix_len, reverse=True)  # stable: FCFS among equals
-        return self._by_priority(reqs)
+        if self.num_prioritized:
+            reqs.sort(key=lambda r: -r.params.priority)  # stable: the order above within a priority
+        return reqs
 
     def _by_priority(self, reqs) -> list[Req]:
         """Highest priority first, the order given within one (stable). No sort when no queued
