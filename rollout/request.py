@@ -245,7 +245,7 @@ class RolloutOutput:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "deadline"
     text: str | None
     num_cached_tokens: int
     weight_version: int  # the version that produced the last token (or current, if none)

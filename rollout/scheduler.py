@@ -12,6 +12,7 @@ priorities run and are admitted first, and the lowest are retracted first.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -59,6 +60,9 @@ class Scheduler:
         # case) a step pays nothing for either feature
         self.num_deadlines = 0
         self.num_prioritized = 0
+        # no queued request expires before this (it may be stale-early after a removal: the
+        # step loop's scan then sets it again), so a step reads the clock and nothing more
+        self.next_deadline = math.inf
 
     # ---- queue management ---------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -66,6 +70,7 @@ class Scheduler:
         if params.deadline_s is not None:
             req.deadline = time.monotonic() + params.deadline_s
             self.num_deadlines += 1
+            self.next_deadline = min(self.next_deadline, req.deadline)
         if params.priority:
             self.num_prioritized += 1
         self.waiting.append(req)

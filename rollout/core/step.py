@@ -16,6 +16,7 @@ them (benchmarks/host.py, benchmarks/diagnostics/host_time.py) without reaching 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ class StepLoop:
         """One scheduler -> model -> sampler step; returns the requests that finished (with
         overlap scheduling, those of the previous step)."""
         finished = self._finish_failed_grammars(version)
-        if self.scheduler.num_deadlines:
+        if self.scheduler.num_deadlines and time.monotonic() >= self.scheduler.next_deadline:
             finished.extend(self._finish_expired(version))
         running = self.scheduler.running
         if self.inflight is not None:  # drafts continue the tokens in flight: the hook reads them first
@@ -202,10 +203,15 @@ class StepLoop:
         request that is gone (rare: once a request)."""
         now = time.monotonic()
         sched = self.scheduler
-        if not any(r.deadline is not None and r.deadline <= now for r in (*sched.running, *sched.waiting)):
-            return []
+        timed = [r for r in (*sched.running, *sched.waiting) if r.deadline is not None]
+        expired = [r for r in timed if r.deadline <= now]
+        sched.next_deadline = min((r.deadline for r in timed if r.deadline > now), default=math.inf)
+        if not expired:
+            return []  # the next deadline belonged to a request that has finished since
         outputs = self.drain()
-        for req in [r for r in (*sched.running, *sched.waiting) if r.deadline is not None and r.deadline <= now]:
+        for req in expired:
+            if req.finished:
+                continue  # it finished in the step just read back
             req.finish_reason = "deadline"
             sched.remove(req)
             self.counters.deadline_requests += 1
