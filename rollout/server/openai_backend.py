@@ -141,6 +141,10 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: An
         pass
 
 
+class EngineLoopStopped(RuntimeError):
+    """The in-process engine's loop is closed or failed: the server's fault, not a refusal."""
+
+
 class InProcessBackend:
     """An Engine in this process, stepped by one background thread that alone touches it."""
 
@@ -227,9 +231,9 @@ class InProcessBackend:
 
     def _send(self, command: Any) -> None:
         if self._failure is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self._failure!r}")
+            raise EngineLoopStopped(f"the engine loop has stopped: {self._failure!r}")
         if not self._thread.is_alive():
-            raise RuntimeError("the engine loop is not running (closed)")
+            raise EngineLoopStopped("the engine loop is not running (closed)")
         self._commands.put(command)
 
     # ---- the engine thread's side -----------------------------------------------------------
@@ -251,7 +255,7 @@ class InProcessBackend:
                 stepped = False
                 while command is not None:
                     if isinstance(command, _Stop):
-                        self._fail_all(RuntimeError("the engine loop was closed"))
+                        self._fail_all(EngineLoopStopped("the engine loop was closed"))
                         command.done.set()
                         return
                     stepped |= self._handle(command)

@@ -31,7 +31,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rollout.server.openai_backend import EngineBackend
+from rollout.server.openai_backend import EngineBackend, EngineLoopStopped
 from rollout.server.openai_choices import ChoiceEvent, run_choices
 from rollout.server.openai_format import Formatter
 from rollout.server.openai_protocol import ApiError, GenerationJob, Limits, engine_error, parse_chat, parse_completion
@@ -109,9 +109,9 @@ async def _engine_call(call, param: str | None) -> None:
     """An engine control call whose refusal (a bad value, the wrong state) is the caller's 400."""
     try:
         await call
-    except (ValueError, TypeError, RuntimeError) as exc:
-        if isinstance(exc, RuntimeError) and not str(exc).startswith(("pause_generation", "continue_generation")):
-            raise  # not a refusal (the engine loop stopped): the server's own error
+    except EngineLoopStopped:
+        raise  # not a refusal: the server's own error
+    except (ValueError, TypeError, RuntimeError) as exc:  # through the engine process: EngineError, a RuntimeError
         raise ApiError(str(exc), param) from exc
 
 

@@ -113,3 +113,25 @@ def test_the_http_servers_engine_process_backend_pauses(server) -> None:
 
     asyncio.run(body())
     assert server.stats().generation_paused is None
+
+
+def test_pause_over_http_in_front_of_the_engine_process(server, text_model) -> None:
+    """The HTTP endpoints with the engine process behind them: its refusals (EngineError
+    through the client) are 400s naming the reason, as in process."""
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from rollout.server.openai_client_backend import ClientBackend
+    from rollout.server.openai_http import ServerThread, build_app, load_tokenizer
+
+    http = ServerThread(build_app(ClientBackend(server.address), load_tokenizer(text_model.path), "tiny")).start()
+    base = http.base_url.removesuffix("/v1")
+    try:
+        assert httpx.post(f"{base}/pause_generation", json={"mode": "retract"}, timeout=30).status_code == 200
+        assert server.stats().generation_paused == "retract"
+        assert httpx.post(f"{base}/continue_generation", timeout=30).status_code == 200
+        again = httpx.post(f"{base}/continue_generation", timeout=30)
+        assert again.status_code == 400 and "generation is not paused" in again.json()["error"]["message"]
+    finally:
+        http.stop()
+    assert server.stats().generation_paused is None
